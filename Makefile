@@ -1,0 +1,29 @@
+# Two set-up commands: `make demo` (install + main job) and `make test` (install + test suite).
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# On a GPU machine, install your CUDA build of this torch version into .venv first; pip keeps it.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/openk2 demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs
