@@ -1,0 +1,95 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3), with the per-head max-logit probe that QK-Clip needs.
+
+Shape legend: B batch, T query length, S key length, H heads, D hidden, C kv_lora_rank (latent),
+N qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openk2.config import ModelConfig
+from openk2.model.layers import RMSNorm
+from openk2.model.rope import apply_rope, softmax_scale
+
+
+class MLAttention(nn.Module):
+    """q = q_b(norm(q_a(x))) (or q_proj(x)); latent c = norm(kv_a(x)[:C]), shared rope key k^R = kv_a(x)[C:];
+    per-head [k^C, v] = kv_b(c); logits = (q^C.k^C + q^R.k^R) * softmax_scale."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.rope_interleave = cfg.rope_interleave
+        self.scale = softmax_scale(cfg)
+        d, h, qk = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=bias)
+        self.track_max_logits = False
+        self.max_logits: torch.Tensor | None = None  # [H] fp32, max-accumulated while tracking
+
+    def query(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """Per-head queries [B, H, T, N+R] before rope."""
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        b, t, _ = x_BTD.shape
+        return q.view(b, t, self.num_heads, -1).transpose(1, 2)
+
+    def latent(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed KV: normalised latent c [B, T, C] and the shared rope key k^R [B, 1, T, R] (no rope)."""
+        c, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return self.kv_a_layernorm(c), k_rope.unsqueeze(1)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. `attn_mask` [B, 1, T, T] bool (True = may attend) replaces the causal mask."""
+        b, t, _ = x_BTD.shape
+        q_nope, q_rope = self.query(x_BTD).split([self.nope_dim, self.rope_dim], dim=-1)
+        c_BTC, k_rope = self.latent(x_BTD)
+        q_rope = apply_rope(q_rope, cos, sin, self.rope_interleave)
+        k_rope = apply_rope(k_rope, cos, sin, self.rope_interleave)
+        kv = self.kv_b_proj(c_BTC).view(b, t, self.num_heads, -1).transpose(1, 2)
+        k_nope, v_BHSV = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        q_BHTK = torch.cat((q_nope, q_rope), dim=-1)
+        k_BHSK = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
+        if self.track_max_logits:
+            self._record_max_logits(q_BHTK, k_BHSK, attn_mask)
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, is_causal=True, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=attn_mask, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    @torch.no_grad()
+    def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> None:
+        # One extra QK^T per layer, one sequence at a time so the temporary stays [H, T, S].
+        t, s = q.shape[2], k.shape[2]
+        causal = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        head_max = torch.full((self.num_heads,), float("-inf"), device=q.device)
+        for i in range(q.shape[0]):
+            logits = (q[i].float() @ k[i].float().transpose(-1, -2)) * self.scale  # [H, T, S]
+            allowed = causal if attn_mask is None else attn_mask[i, 0]
+            logits = logits.masked_fill(~allowed, float("-inf"))
+            head_max = torch.maximum(head_max, logits.amax(dim=(-1, -2)))
+        self.max_logits = head_max if self.max_logits is None else torch.maximum(self.max_logits, head_max)

@@ -1,0 +1,143 @@
+"""Sparse MoE (DeepSeek-V3 / K2): sigmoid router with aux-loss-free balancing bias, routed experts held as
+3-D weights and run with a grouped matmul over expert-sorted tokens, plus shared expert(s).
+
+Shape legend: N tokens (B*T), D hidden, E routed experts, K experts per token, I expert width, G groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openk2.config import ModelConfig
+from openk2.model.layers import MLP
+
+
+@dataclass
+class Routing:
+    """The router's decision for N tokens."""
+
+    indices_NK: torch.Tensor  # chosen experts
+    weights_NK: torch.Tensor  # fp32 combine weights (normalised, scaled)
+    scores_NE: torch.Tensor  # fp32 sigmoid affinities (no bias)
+
+
+class Router(nn.Module):
+    """Sigmoid scores in fp32; the correction bias only changes which experts are selected, never the weights."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.num_experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        # Updated outside autograd by the trainer (aux-loss-free balancing), saved in checkpoints.
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x_ND: torch.Tensor) -> Routing:
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            scores = F.linear(x_ND.float(), self.weight.float()).sigmoid()
+        biased = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            biased = self._mask_groups(biased)
+        indices = biased.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(indices, weights * self.routed_scaling_factor, scores)
+
+    def _mask_groups(self, biased_NE: torch.Tensor) -> torch.Tensor:
+        # DeepSeek-V3 node-limited routing: a group's score is the sum of its top-2 biased scores.
+        n = biased_NE.shape[0]
+        grouped = biased_NE.view(n, self.n_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return grouped.masked_fill(~group_mask[..., None], float("-inf")).view(n, -1)
+
+
+def grouped_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, offsets: torch.Tensor, use_grouped_mm: bool):
+    """Rows of x sorted by expert (offsets [E] int32 = cumulative row ends) times each expert's W^T."""
+    w_EIO = w_EOI.transpose(1, 2)
+    if use_grouped_mm:
+        return F.grouped_mm(x_MI, w_EIO.to(x_MI.dtype), offs=offsets)
+    # Exact fallback: one matmul per expert over its contiguous slice of rows.
+    outs, start = [], 0
+    for e, end in enumerate(offsets.tolist()):
+        outs.append(x_MI[start:end] @ w_EIO[e].to(x_MI.dtype))
+        start = end
+    return torch.cat(outs, dim=0)
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights: gate_proj/up_proj [E, I, D], down_proj [E, D, I]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(e, i, d))
+        self.up_proj = nn.Parameter(torch.empty(e, i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.use_grouped_mm = hasattr(F, "grouped_mm")
+
+    def forward(self, x_ND: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the combined expert output [N, D] and tokens per expert [E]."""
+        n, k = routing.indices_NK.shape
+        flat_experts = routing.indices_NK.reshape(-1)
+        order = flat_experts.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        token_of_row = order // k
+        counts_E = torch.bincount(flat_experts, minlength=self.gate_proj.shape[0])
+        offsets = counts_E.cumsum(0).to(torch.int32)
+        dtype = torch.get_autocast_dtype(x_ND.device.type) if torch.is_autocast_enabled() else x_ND.dtype
+        x_MD = x_ND[token_of_row].to(dtype)
+        gate = grouped_linear(x_MD, self.gate_proj, offsets, self.use_grouped_mm)
+        up = grouped_linear(x_MD, self.up_proj, offsets, self.use_grouped_mm)
+        y_MD = grouped_linear(F.silu(gate) * up, self.down_proj, offsets, self.use_grouped_mm)
+        y_MD = y_MD * routing.weights_NK.reshape(-1)[order, None].to(y_MD.dtype)
+        out = torch.zeros(n, y_MD.shape[-1], dtype=y_MD.dtype, device=y_MD.device)
+        return out.index_add_(0, token_of_row, y_MD), counts_E
+
+
+class MoE(nn.Module):
+    """Routed experts + shared expert(s); records tokens per expert for logging and the bias update."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = RoutedExperts(cfg)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.aux_loss_alpha = cfg.aux_loss_alpha
+        self.top_k = cfg.num_experts_per_tok
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        b, t, d = x_BTD.shape
+        x_ND = x_BTD.reshape(-1, d)
+        routing = self.gate(x_ND)
+        routed, counts_E = self.experts(x_ND, routing)
+        self.tokens_per_expert += counts_E.to(self.tokens_per_expert.dtype)
+        self.aux_loss = self._sequence_aux_loss(routing, b, t) if self.training and self.aux_loss_alpha else None
+        out = routed.view(b, t, d).to(x_BTD.dtype) + self.shared_experts(x_BTD)
+        return out
+
+    def _sequence_aux_loss(self, routing: Routing, b: int, t: int) -> torch.Tensor:
+        # DeepSeek-V3 eq. 17-20: alpha * sum_i f_i * P_i per sequence, f_i = E/(K*T) * (tokens choosing i),
+        # P_i = mean over tokens of the normalised affinity s_i / sum_j s_j; averaged over sequences.
+        e = routing.scores_NE.shape[-1]
+        probs = routing.scores_NE / routing.scores_NE.sum(dim=-1, keepdim=True)
+        chosen = torch.zeros_like(probs).scatter_(1, routing.indices_NK, 1.0)
+        f_BE = chosen.view(b, t, e).sum(1) * (e / (self.top_k * t))
+        p_BE = probs.view(b, t, e).mean(1)
+        return self.aux_loss_alpha * (f_BE * p_BE).sum(-1).mean()
+
+    @torch.no_grad()
+    def update_bias(self, rate: float, counts_E: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones, by `rate`."""
+        counts = self.tokens_per_expert if counts_E is None else counts_E
+        bias = self.gate.e_score_correction_bias
+        bias += rate * torch.sign(counts.float().mean() - counts.float()).to(bias.dtype)
