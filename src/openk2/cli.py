@@ -1,0 +1,76 @@
+"""`openk2 <command>`: the command-line entry point. Each command lives in its own module; this file only routes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+
+def _params(argv: list[str]) -> int:
+    from openk2.config import ModelConfig
+
+    parser = argparse.ArgumentParser(prog="openk2 params", description="Parameter counts of a model preset")
+    parser.add_argument("--preset", default="kimi-k2", choices=ModelConfig.preset_names())
+    parser.add_argument("--config", help="an HF config.json (file or checkpoint directory) instead of a preset")
+    parser.add_argument("--json", action="store_true", help="print JSON with keys total, activated, breakdown")
+    args = parser.parse_args(argv)
+    cfg = ModelConfig.from_hf(args.config) if args.config else ModelConfig.preset(args.preset)
+    count = cfg.num_params()
+    if args.json:
+        print(json.dumps(count.as_dict(), indent=2))
+        return 0
+    print(format_param_table(count, title=args.config or args.preset))
+    return 0
+
+
+def format_param_table(count, title: str) -> str:
+    """A human-readable table of a ParamCount."""
+    rows = [f"{title}: parameters", f"{'component':<16}{'count':>20}{'share':>9}"]
+    for name, n in count.breakdown.items():
+        rows.append(f"{name:<16}{n:>20,}{n / count.total:>9.2%}")
+    rows.append(f"{'total':<16}{count.total:>20,}")
+    rows.append(f"{'activated':<16}{count.activated:>20,}{count.activated / count.total:>9.2%}")
+    return "\n".join(rows)
+
+
+def _demo(argv: list[str]) -> int:
+    from openk2.demo import main
+
+    return main(argv)
+
+
+def _tokenizer(argv: list[str]) -> int:
+    from openk2.data.tokenizer import tokenizer_main
+
+    return tokenizer_main(argv)
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "params": (_params, "parameter counts of a preset or HF config"),
+    "demo": (_demo, "the main job on a laptop CPU"),
+    "tokenizer": (_tokenizer, "train a byte-level BPE tokenizer with K2's special tokens"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: openk2 <command> [options]\n\ncommands:")
+        for name, (_, help_text) in COMMANDS.items():
+            print(f"  {name:<12}{help_text}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"openk2: unknown command {name!r}; run `openk2 --help`", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[name][0](rest)
+    except ValueError as err:  # user errors: one clear line, no traceback
+        print(f"openk2 {name}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
