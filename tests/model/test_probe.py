@@ -3,19 +3,13 @@
 import torch
 
 from openk2 import K2ForCausalLM
-from openk2.model.rope import apply_rope
 
 from .conftest import small_config
 
 
 def _explicit_max_logits(attn, x, cos, sin):
-    q_nope, q_rope = attn.query(x).split([attn.nope_dim, attn.rope_dim], dim=-1)
-    c, k_rope = attn.latent(x)
-    b, t, _ = x.shape
-    k_nope = attn.kv_b_proj(c).view(b, t, attn.num_heads, -1).transpose(1, 2)[..., : attn.nope_dim]
-    q = torch.cat((q_nope, apply_rope(q_rope, cos, sin, attn.rope_interleave)), -1)
-    k = torch.cat((k_nope, apply_rope(k_rope, cos, sin, attn.rope_interleave).expand_as(q[..., attn.nope_dim:])),
-                  -1)
+    q, k, _ = attn.qkv(x, cos, sin)
+    t = x.shape[1]
     logits = (q @ k.transpose(-1, -2)) * attn.scale
     logits = logits.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
     return logits.amax(dim=(0, 2, 3))

@@ -56,14 +56,8 @@ class MLAttention(nn.Module):
         c, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(c), k_rope.unsqueeze(1)
 
-    def forward(
-        self,
-        x_BTD: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]. `attn_mask` [B, 1, T, T] bool (True = may attend) replaces the causal mask."""
+    def qkv(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Per-head q [B, H, T, N+R], k [B, H, S, N+R] (rope applied, k^R broadcast) and v [B, H, S, V]."""
         b, t, _ = x_BTD.shape
         q_nope, q_rope = self.query(x_BTD).split([self.nope_dim, self.rope_dim], dim=-1)
         c_BTC, k_rope = self.latent(x_BTD)
@@ -73,6 +67,18 @@ class MLAttention(nn.Module):
         k_nope, v_BHSV = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q_BHTK = torch.cat((q_nope, q_rope), dim=-1)
         k_BHSK = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
+        return q_BHTK, k_BHSK, v_BHSV
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. `attn_mask` [B, 1, T, T] bool (True = may attend) replaces the causal mask."""
+        b, t, _ = x_BTD.shape
+        q_BHTK, k_BHSK, v_BHSV = self.qkv(x_BTD, cos, sin)
         if self.track_max_logits:
             self._record_max_logits(q_BHTK, k_BHSK, attn_mask)
         if attn_mask is None:
