@@ -1,0 +1,133 @@
+"""Run metrics: one JSON line per logged step (`metrics.jsonl`), optional TensorBoard, and the run's plots
+(loss curve, per-layer max attention logit as in the K2 report's Figures 2-3, expert-load heatmap)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    """Appends records to `run_dir/metrics.jsonl`; on resume, drops records past the resumed step."""
+
+    def __init__(self, run_dir: str | Path, resume_step: int | None = None, tensorboard: bool = False) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.is_file():
+            kept = [r for r in read_metrics(self.path.parent) if r.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif resume_step is None and self.path.is_file():
+            self.path.unlink()
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+            except ImportError:
+                print("warning: tensorboard is not installed; logging to metrics.jsonl only", file=sys.stderr)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one record (must hold `step`); lists are kept in the JSONL, scalars also go to TensorBoard."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, int | float) and key != "step" and math.isfinite(value):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of a run (a torn last line from a crash is ignored)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise ValueError(f"no {METRICS_FILE} in {run_dir}")
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[Any]]:
+    rows = [(r["step"], r[key]) for r in records if key in r]
+    return [s for s, _ in rows], [v for _, v in rows]
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write loss.png, max_logit.png and expert_load.png into the run directory; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    written: list[Path] = []
+
+    steps, loss = _series(records, "loss")
+    if steps:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(steps, loss, label="train loss", lw=1)
+        vsteps, vloss = _series(records, "val_loss")
+        if vsteps:
+            ax.plot(vsteps, vloss, "o-", label="validation loss")
+        usteps, unigram = _series(records, "unigram_val_loss")
+        if unigram:
+            ax.axhline(unigram[-1], color="gray", ls="--", label=f"unigram baseline ({unigram[-1]:.2f})")
+        ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="Loss")
+        ax.legend()
+        written.append(_save(fig, run_dir / "loss.png"))
+
+    steps, max_logits = _series(records, "max_logit_per_layer")
+    if steps:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        per_layer = list(zip(*max_logits, strict=True))
+        for i, values in enumerate(per_layer):
+            ax.plot(steps, values, lw=1, label=f"layer {i}")
+        tsteps, tau = _series(records, "qk_clip_tau")
+        if tau:
+            ax.axhline(tau[-1], color="red", ls="--", label=f"tau = {tau[-1]:g}")
+        ax.set(xlabel="step", ylabel="max attention logit", title="Max logit per layer (max over heads)")
+        ax.legend(fontsize=7, ncol=2)
+        written.append(_save(fig, run_dir / "max_logit.png"))
+
+    steps, loads = _series(records, "expert_load")
+    if steps:
+        import numpy as np
+
+        load = np.asarray(loads[-1], dtype=float)  # [moe layers, experts], fraction of routed slots
+        imbalance = np.asarray([[max(row) * len(row) for row in snapshot] for snapshot in loads])
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        im = ax1.imshow(load, aspect="auto", cmap="viridis")
+        ax1.set(xlabel="expert", ylabel="MoE layer", title=f"Expert load at step {steps[-1]} (share of tokens)")
+        fig.colorbar(im, ax=ax1)
+        for i in range(imbalance.shape[1]):
+            ax2.plot(steps, imbalance[:, i], lw=1, label=f"MoE layer {i}")
+        ax2.axhline(1.0, color="gray", ls="--")
+        ax2.set(xlabel="step", ylabel="max load / mean load", title="Expert load imbalance")
+        ax2.legend(fontsize=7)
+        written.append(_save(fig, run_dir / "expert_load.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
