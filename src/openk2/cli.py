@@ -47,10 +47,29 @@ def _tokenizer(argv: list[str]) -> int:
     return tokenizer_main(argv)
 
 
+def _pretrain(argv: list[str]) -> int:
+    from openk2.train.pretrain import main
+
+    return main(argv)
+
+
+def _plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="openk2 plot", description="Write a run's PNG plots from metrics.jsonl")
+    parser.add_argument("run_dir")
+    args = parser.parse_args(argv)
+    from openk2.train.metrics import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "params": (_params, "parameter counts of a preset or HF config"),
     "demo": (_demo, "the main job on a laptop CPU"),
     "tokenizer": (_tokenizer, "train a byte-level BPE tokenizer with K2's special tokens"),
+    "pretrain": (_pretrain, "pre-train with MuonClip on the shipped corpus (configs/tiny.toml)"),
+    "plot": (_plot, "write a run's loss, max-logit and expert-load plots"),
 }
 
 

@@ -55,11 +55,13 @@ class QKClip:
         self.process_group = process_group
 
     @torch.no_grad()
-    def apply(self, max_logits: torch.Tensor) -> torch.Tensor:
+    def apply(self, max_logits: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """Clip from the probe's [L, H] max logits (MAX-reduced across ranks); returns gamma [L, H], 1 = untouched."""
         if max_logits.shape[0] != len(self.layers):
             raise ValueError(f"max_logits has {max_logits.shape[0]} layers, the model has {len(self.layers)}")
-        max_logits = reduce_max_logits(max_logits.float(), self.process_group)
+        max_logits = max_logits.float()
+        if reduce:
+            max_logits = reduce_max_logits(max_logits, self.process_group)
         gamma = torch.where(max_logits > self.tau, self.tau / max_logits, torch.ones_like(max_logits))
         for layer, gamma_h in zip(self.layers, gamma, strict=True):
             if (gamma_h < 1).any():

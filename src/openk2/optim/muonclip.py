@@ -1,0 +1,115 @@
+"""MuonClip (K2 report, Algorithm 1): Muon for hidden matrices, AdamW for the rest, then per-head QK-Clip.
+
+One object a trainer steps. The model's max-logit probe is switched on at construction, so every forward
+(all micro-batches of a step) max-accumulates S_max^h; `step()` updates the weights, then clips the heads
+whose S_max^h exceeded tau and exposes what it did in `last_clip`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from openk2.optim.param_groups import MuonFilter, build_optimizers
+from openk2.optim.qk_clip import QKClip, reduce_max_logits
+
+
+@dataclass
+class ClipStats:
+    """What QK-Clip did on the last step."""
+
+    max_logits: torch.Tensor  # [L, H] S_max^h seen during the step's forwards (after the cross-rank MAX)
+    gamma: torch.Tensor  # [L, H] applied factors, 1 = untouched
+
+    @property
+    def num_clipped(self) -> int:
+        return int((self.gamma < 1).sum())
+
+    @property
+    def min_gamma(self) -> float:
+        return float(self.gamma.min())
+
+    @property
+    def max_logit(self) -> float:
+        return float(self.max_logits.max())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"clipped_heads": self.num_clipped, "min_gamma": self.min_gamma, "max_logit": self.max_logit,
+                "max_logit_per_layer": self.max_logits.amax(dim=1).tolist()}
+
+
+class MuonClip:
+    """Muon + AdamW + QK-Clip behind one `step()` / `zero_grad()` / `state_dict()`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        weight_decay: float = 0.1,
+        tau: float | None = 100.0,
+        *,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        rms_scale: float = 0.2,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        muon_filter: MuonFilter | None = None,
+        process_group=None,
+    ) -> None:
+        self.model = model
+        self.muon, self.adamw = build_optimizers(
+            model, lr, weight_decay, muon_filter, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+            rms_scale=rms_scale, ns_dtype=ns_dtype,
+        )
+        # tau=None gives vanilla Muon; the probe still runs so that max logits can be logged.
+        self.qk_clip = QKClip(model, tau=tau, process_group=process_group) if tau is not None else None
+        self.tau = tau
+        self.process_group = process_group
+        model.track_max_logits(True)
+        self.last_clip: ClipStats | None = None
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return self.muon, self.adamw
+
+    @property
+    def lr(self) -> float:
+        return self.muon.param_groups[0]["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of both optimizers (they share one, as in the report)."""
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> ClipStats:
+        """Update all weights, then QK-Clip with the max logits recorded since the previous step."""
+        self.muon.step()
+        self.adamw.step()
+        max_logits = reduce_max_logits(self.model.pop_max_logits(), self.process_group)
+        if self.qk_clip is not None:
+            gamma = self.qk_clip.apply(max_logits, reduce=False)
+        else:
+            gamma = torch.ones_like(max_logits)
+        self.last_clip = ClipStats(max_logits=max_logits, gamma=gamma)
+        return self.last_clip
+
+    def skip_step(self) -> None:
+        """Drop a step's gradients and recorded logits without updating (used when a loss is bad)."""
+        self.model.pop_max_logits()
+        self.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(), "tau": self.tau}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])

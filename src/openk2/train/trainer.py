@@ -1,0 +1,271 @@
+"""The pre-training loop: MuonClip + WSD on the packed corpus, with accumulation, mixed precision,
+aux-loss-free bias updates, validation, bad-step handling, metrics, and resumable checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from openk2.data.loader import PackedLoader
+from openk2.data.unigram import unigram_baseline
+from openk2.model import K2ForCausalLM
+from openk2.optim.muonclip import MuonClip
+from openk2.optim.schedule import wsd_lr
+from openk2.train.checkpoint import CheckpointManager
+from openk2.train.config import RunConfig
+from openk2.train.flops import measure_matmul_peak, training_flops_per_token
+from openk2.train.metrics import MetricsLogger, plot_run
+from openk2.train.setup import prepare_tokenizer, resolve_device, resolve_precision
+
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+RNG_FILE = "rng.pt"
+
+
+class BadStepError(RuntimeError):
+    """Raised when a NaN/inf or spiking loss stops the run (train.on_bad_step = "stop")."""
+
+
+@dataclass
+class RunSummary:
+    out_dir: Path
+    step: int
+    checkpoint: Path | None
+    val_loss: float | None
+    unigram_val_loss: float
+    tokens_per_s: float
+    plots: list[Path]
+
+
+class Trainer:
+    """Owns the model, optimizer, loaders and run directory of one pre-training run."""
+
+    def __init__(self, cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = False) -> None:
+        self.cfg = cfg
+        self.out_dir = Path(out_dir or cfg.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        tc = cfg.train
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        self.device = resolve_device(tc.device)
+        self.autocast_dtype = resolve_precision(tc.precision, self.device)
+        self.ckpts = CheckpointManager(self.out_dir / "checkpoints", keep_last=tc.keep_checkpoints)
+        resume_from = self.ckpts.latest() if resume else None
+        if resume and resume_from is None:
+            print(f"note: no complete checkpoint in {self.ckpts.root}; starting from scratch", file=sys.stderr)
+
+        _seed_everything(tc.seed)
+        self.tokenizer = prepare_tokenizer(cfg, self.out_dir, resume_from)
+        self.model = K2ForCausalLM(cfg.model).to(self.device)
+        ns_dtype = getattr(torch, cfg.optim.ns_dtype)
+        self.optimizer = MuonClip(
+            self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+            tau=cfg.optim.qk_clip_tau if cfg.optim.qk_clip_tau > 0 else None, momentum=cfg.optim.momentum,
+            nesterov=cfg.optim.nesterov, ns_steps=cfg.optim.ns_steps, rms_scale=cfg.optim.rms_scale,
+            ns_dtype=ns_dtype,
+        )
+        self.schedule = cfg.schedule.build(tc.steps, cfg.optim.lr)
+        self.train_loader = PackedLoader(cfg.data, self.tokenizer, tc.batch_size, split="train")
+        self.step = 0
+        self.tokens_seen = 0
+        self.loss_ema: float | None = None
+        if resume_from is not None:
+            self._load_checkpoint(resume_from)
+        self.metrics = MetricsLogger(self.out_dir, resume_step=self.step if resume_from else None,
+                                     tensorboard=tc.tensorboard)
+        self.unigram = unigram_baseline(self.train_loader)
+        self.flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak_flops = measure_matmul_peak(self.autocast_dtype or torch.float32, self.device)
+        self._stop_requested = False
+        (self.out_dir / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+
+    # ------------------------------------------------------------------------------------------ loop
+    def run(self, max_steps: int | None = None) -> RunSummary:
+        """Train until `train.steps` (or `max_steps`), checkpointing on the way and whenever the run stops."""
+        tc = self.cfg.train
+        stop_at = min(tc.steps, max_steps) if max_steps else tc.steps
+        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+        tokens_per_s, val_loss, last_ckpt = 0.0, None, None
+        bar = tqdm(total=stop_at, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True,
+                   disable=None)
+        try:
+            while self.step < stop_at and not self._stop_requested:
+                record = self._train_step()
+                bar.update(1)
+                if record.get("skipped"):
+                    self.metrics.log(record)
+                    continue
+                window_loss.append(record["loss"])
+                window_tokens += record["tokens"]
+                if self.step % tc.log_every == 0 or self.step == stop_at:
+                    elapsed = time.perf_counter() - window_start
+                    tokens_per_s = window_tokens / elapsed
+                    record.update(loss=float(np.mean(window_loss)), tokens_per_s=tokens_per_s,
+                                  mfu=tokens_per_s * self.flops_per_token / self.peak_flops)
+                    window_loss, window_tokens, window_start = [], 0, time.perf_counter()
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                                    max_logit=f"{record['max_logit']:.1f}")
+                    if self.step % tc.eval_every == 0 or self.step == stop_at:
+                        val_loss = self.evaluate()
+                        record.update(val_loss=val_loss, unigram_val_loss=self.unigram)
+                    self.metrics.log(record)
+                if self.step % tc.checkpoint_every == 0:
+                    last_ckpt = self.save_checkpoint()
+        finally:
+            bar.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if last_ckpt is None or last_ckpt.name != self.ckpts.path_for(self.step).name:
+                last_ckpt = self.save_checkpoint() if self.step > 0 else last_ckpt
+            self.metrics.close()
+        if self._stop_requested:
+            print(f"stopped at step {self.step} on request; checkpoint {last_ckpt}", file=sys.stderr)
+        plots = plot_run(self.out_dir)
+        return RunSummary(self.out_dir, self.step, last_ckpt, val_loss, self.unigram, tokens_per_s, plots)
+
+    def _train_step(self) -> dict:
+        tc = self.cfg.train
+        lr = wsd_lr(self.step, self.schedule)
+        self.optimizer.set_lr(lr)
+        self.model.train()
+        losses, counts, tokens = [], None, 0
+        for _ in range(tc.grad_accum):
+            batch = next(self.train_loader)
+            ids, labels = batch["input_ids"].to(self.device), batch["labels"].to(self.device)
+            with self._autocast():
+                out = self.model(ids, labels=labels)
+            (out.loss / tc.grad_accum).backward()
+            losses.append(out.loss.item())
+            counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
+            tokens += ids.numel()
+        self.step += 1
+        loss = float(np.mean(losses))
+        problem = self._bad_loss(loss)
+        grad_norm = self._clip_gradients() if problem is None else float("nan")
+        if problem is None and not math.isfinite(grad_norm):
+            problem = f"non-finite gradient norm ({grad_norm})"
+        if problem is not None:
+            self.optimizer.skip_step()
+            message = f"step {self.step}: {problem}; update skipped"
+            if tc.on_bad_step == "stop":
+                raise BadStepError(message.replace("update skipped", "stopping (train.on_bad_step = stop)"))
+            print(f"warning: {message}", file=sys.stderr)
+            return {"step": self.step, "skipped": problem, "loss": loss, "lr": lr}
+        clip = self.optimizer.step()
+        self.optimizer.zero_grad()
+        if counts is not None:
+            self.model.update_router_biases(counts, self.cfg.optim.bias_update_rate)
+        self.loss_ema = loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss
+        self.tokens_seen += tokens
+        load = (counts / counts.sum(dim=1, keepdim=True)).tolist() if counts is not None else []
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                "tokens_seen": self.tokens_seen, **clip.as_dict(),
+                "qk_clip_tau": self.optimizer.tau or float("nan"), "expert_load": load,
+                "expert_imbalance": [max(row) * len(row) for row in load]}
+
+    def _bad_loss(self, loss: float) -> str | None:
+        if not math.isfinite(loss):
+            return f"non-finite loss ({loss})"
+        warmed_up = self.step > self.cfg.schedule.warmup_steps and self.loss_ema is not None
+        if warmed_up and loss > self.cfg.train.spike_factor * self.loss_ema:
+            return f"loss spike ({loss:.3f} > {self.cfg.train.spike_factor} x running mean {self.loss_ema:.3f})"
+        return None
+
+    def _clip_gradients(self) -> float:
+        max_norm = self.cfg.optim.grad_clip
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _val_loader(self) -> PackedLoader:
+        return PackedLoader(self.cfg.data, self.tokenizer, self.cfg.train.batch_size, split="val", loop=False)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over the first `train.eval_batches` validation batches (the same each time)."""
+        self.model.eval()
+        self.model.track_max_logits(False)
+        total, count = 0.0, 0
+        for i, batch in enumerate(self._val_loader()):
+            if i == self.cfg.train.eval_batches:
+                break
+            with self._autocast():
+                out = self.model(batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device))
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total, count = total + out.loss.item() * n, count + n
+        self.model.track_max_logits(True)
+        self.model.train()
+        if count == 0:
+            raise ValueError("the validation split is empty; raise data.val_fraction")
+        return total / count
+
+    def _request_stop(self, signum, frame) -> None:
+        if self._stop_requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        print(f"\nsignal {signum}: finishing step {self.step + 1}, then writing a checkpoint", file=sys.stderr)
+        self._stop_requested = True
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write model (HF layout), optimizer, loader position, schedule position and RNG states."""
+
+        def write(path: Path) -> None:
+            self.model.save_pretrained(path)
+            self.tokenizer.save(path)
+            torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
+            torch.save(_rng_state(), path / RNG_FILE)
+            state = {"step": self.step, "tokens_seen": self.tokens_seen, "loss_ema": self.loss_ema,
+                     "loader": self.train_loader.state_dict(), "schedule": self.schedule.to_dict()}
+            (path / STATE_FILE).write_text(json.dumps(state))
+
+        return self.ckpts.save(self.step, write)
+
+    def _load_checkpoint(self, path: Path) -> None:
+        loaded = K2ForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.model.load_state_dict(loaded.state_dict())
+        self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
+                                                  weights_only=False))
+        state = json.loads((path / STATE_FILE).read_text())
+        self.step, self.tokens_seen, self.loss_ema = state["step"], state["tokens_seen"], state["loss_ema"]
+        self.train_loader.load_state_dict(state["loader"])
+        _set_rng_state(torch.load(path / RNG_FILE, weights_only=False))
+        print(f"resumed from {path} at step {self.step}", file=sys.stderr)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
