@@ -82,8 +82,6 @@ class Trainer:
         self.loss_ema: float | None = None
         if resume_from is not None:
             self._load_checkpoint(resume_from)
-        self.metrics = MetricsLogger(self.out_dir, resume_step=self.step if resume_from else None,
-                                     tensorboard=tc.tensorboard)
         self.unigram = unigram_baseline(self.train_loader)
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops = measure_matmul_peak(self.autocast_dtype or torch.float32, self.device)
@@ -95,6 +93,9 @@ class Trainer:
         """Train until `train.steps` (or `max_steps`), checkpointing on the way and whenever the run stops."""
         tc = self.cfg.train
         stop_at = min(tc.steps, max_steps) if max_steps else tc.steps
+        # Records past the current step belong to a run that died after its last checkpoint: dropped.
+        self.metrics = MetricsLogger(self.out_dir, resume_step=self.step if self.step else None,
+                                     tensorboard=tc.tensorboard)
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         window_loss, window_tokens, window_start = [], 0, time.perf_counter()
         tokens_per_s, val_loss, last_ckpt = 0.0, None, None
