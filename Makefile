@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/openk2 demo
+	$(VENV)/bin/openk2 pretrain --config configs/tiny.toml
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

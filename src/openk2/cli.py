@@ -35,12 +35,6 @@ def format_param_table(count, title: str) -> str:
     return "\n".join(rows)
 
 
-def _demo(argv: list[str]) -> int:
-    from openk2.demo import main
-
-    return main(argv)
-
-
 def _tokenizer(argv: list[str]) -> int:
     from openk2.data.tokenizer import tokenizer_main
 
@@ -66,7 +60,6 @@ def _plot(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "params": (_params, "parameter counts of a preset or HF config"),
-    "demo": (_demo, "the main job on a laptop CPU"),
     "tokenizer": (_tokenizer, "train a byte-level BPE tokenizer with K2's special tokens"),
     "pretrain": (_pretrain, "pre-train with MuonClip on the shipped corpus (configs/tiny.toml)"),
     "plot": (_plot, "write a run's loss, max-logit and expert-load plots"),

@@ -143,3 +143,13 @@ def test_shipped_configs_parse():
     root = Path(__file__).resolve().parents[2] / "configs"
     for path in sorted(root.glob("*.toml")):
         load_run_config(path)
+
+
+def test_config_inheritance(tmp_path):
+    (tmp_path / "base.toml").write_text('out_dir = "a"\n[optim]\nlr = 0.5\nweight_decay = 0.2\n')
+    (tmp_path / "child.toml").write_text('base = "base.toml"\n[optim]\nlr = 0.25\n')
+    cfg = load_run_config(tmp_path / "child.toml")
+    assert (cfg.out_dir, cfg.optim.lr, cfg.optim.weight_decay) == ("a", 0.25, 0.2)
+    (tmp_path / "loop.toml").write_text('base = "loop.toml"\n')
+    with pytest.raises(ValueError, match="loops"):
+        load_run_config(tmp_path / "loop.toml")

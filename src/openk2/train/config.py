@@ -59,6 +59,7 @@ class ScheduleSection:
 
     warmup_steps: int = 50
     decay_fraction: float = 0.3
+    decay_steps: int | None = None  # exact decay length; overrides decay_fraction
     final_lr_ratio: float = 0.1  # decay floor / peak (K2: 2e-5 / 2e-4)
     anneal_steps: int = 0  # extra steps after the decay, linear to anneal_lr_ratio * peak (K2: 7e-6 / 2e-4)
     anneal_lr_ratio: float = 0.035
@@ -69,7 +70,7 @@ class ScheduleSection:
 
     def build(self, steps: int, peak_lr: float) -> WSDConfig:
         main = steps - self.anneal_steps
-        decay = round(main * self.decay_fraction)
+        decay = self.decay_steps if self.decay_steps is not None else round(main * self.decay_fraction)
         stable = main - decay - self.warmup_steps
         if stable < 0:
             raise ValueError(f"train.steps={steps} is too short for {self.warmup_steps} warm-up, {decay} decay and "
@@ -170,15 +171,29 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_toml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a TOML run file; `base = "other.toml"` (relative to it) is read first and overridden key by key."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ValueError(f"config inheritance loops through {path}")
+    if not path.is_file():
+        raise ValueError(f"config file {path} not found")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path} is not valid TOML: {err}") from None
+    base = raw.pop("base", None)
+    return _merge(read_toml(path.parent / base, (*_seen, path)), raw) if base else raw
+
+
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Read a TOML run config (or the defaults when `path` is None) and apply overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {path} not found")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ValueError(f"{path} is not valid TOML: {err}") from None
+    raw = read_toml(path) if path is not None else {}
     return RunConfig.from_dict(apply_overrides(raw, overrides or []))
