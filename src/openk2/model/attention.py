@@ -89,13 +89,15 @@ class MLAttention(nn.Module):
 
     @torch.no_grad()
     def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> None:
-        # One extra QK^T per layer, one sequence at a time so the temporary stays [H, T, S].
-        t, s = q.shape[2], k.shape[2]
-        causal = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
-        head_max = torch.full((self.num_heads,), float("-inf"), device=q.device)
-        for i in range(q.shape[0]):
-            logits = (q[i].float() @ k[i].float().transpose(-1, -2)) * self.scale  # [H, T, S]
-            allowed = causal if attn_mask is None else attn_mask[i, 0]
-            logits = logits.masked_fill(~allowed, float("-inf"))
-            head_max = torch.maximum(head_max, logits.amax(dim=(-1, -2)))
+        # One extra QK^T per layer, in chunks of sequences so the temporary stays under ~64 MB.
+        b, h, t, _ = q.shape
+        s = k.shape[2]
+        allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t) if attn_mask is None else attn_mask
+        chunk = max(1, (64 << 20) // (4 * h * t * s))
+        head_max = torch.full((h,), float("-inf"), device=q.device)
+        for i in range(0, b, chunk):
+            logits = (q[i:i + chunk].float() @ k[i:i + chunk].float().transpose(-1, -2)) * self.scale
+            mask = allowed if attn_mask is None else allowed[i:i + chunk]
+            logits = logits.masked_fill(~mask, float("-inf"))
+            head_max = torch.maximum(head_max, logits.amax(dim=(0, 2, 3)))
         self.max_logits = head_max if self.max_logits is None else torch.maximum(self.max_logits, head_max)
