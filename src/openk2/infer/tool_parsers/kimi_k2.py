@@ -1,0 +1,236 @@
+"""Kimi K2's tool-call format, parsed incrementally.
+
+What the model writes after `<|im_assistant|>assistant<|im_middle|>` (one line here, none on the wire):
+
+    Let me check both.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0
+    <|tool_call_argument_begin|>{"city": "Beijing"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1
+    <|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>
+
+Content comes first; the calls sit in one section; each call id is `functions.{name}:{idx}` and the
+function name is read back out of it (`functions.get_weather.v2:3` names `get_weather.v2`).
+
+Tolerated: whitespace and newlines between the markers, around the id and around the arguments (all
+dropped); a missing `functions.` prefix or `:idx` suffix; a `<|tool_call_begin|>` with no section
+opened; a call or section that is never closed (the next marker or the end of output closes it); no
+`<|im_end|>` at the end. Stray markers outside their place are dropped, and text between calls inside
+a section is discarded. Whitespace right after `<|tool_calls_section_end|>` is dropped unless more
+content follows it. Everything after `<|im_end|>` is ignored.
+
+Reported, never raised: a call whose arguments are not a JSON object, whose id does not name a
+function, or which has no `<|tool_call_argument_begin|>`. Such a call is still announced and carries
+an error (see `base`).
+
+Streaming: a marker can arrive split across deltas (`<|tool_ca` + `ll_begin|>`), so a tail of the
+buffer that could still become a marker is held back until the next delta or `finish()`. A call is
+announced (id + name) once its `<|tool_call_argument_begin|>` arrives; argument text then streams,
+with trailing whitespace held back until it is known not to be the end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from openk2.infer.tool_parsers.base import DeltaMessage, ToolParser
+
+IM_END = "<|im_end|>"
+SECTION_BEGIN = "<|tool_calls_section_begin|>"
+SECTION_END = "<|tool_calls_section_end|>"
+CALL_BEGIN = "<|tool_call_begin|>"
+ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
+CALL_END = "<|tool_call_end|>"
+MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, IM_END)
+_LONGEST_MARKER = max(map(len, MARKERS))
+
+CALL_ID_PREFIX = "functions."
+# Function names: letters, digits, underscores, hyphens and dots; anything else would make the id ambiguous.
+FUNCTION_NAME = re.compile(r"[\w.\-]+")
+CALL_ID = re.compile(r"functions\.([\w.\-]+):(\d+)")  # the canonical form; group 1 is the function name
+_ID_SUFFIX = re.compile(r":\d+$")
+
+# Engine states.
+_CONTENT, _SECTION, _HEADER, _ARGS, _DONE = "content", "section", "header", "args", "done"
+
+
+def format_call_id(name: str, index: int) -> str:
+    """K2's id for the `index`-th call, to function `name`."""
+    return f"{CALL_ID_PREFIX}{name}:{index}"
+
+
+def function_name_from_id(call_id: str) -> str | None:
+    """The function named by a call id (`functions.NAME:IDX` -> NAME), or None if it names none."""
+    name = call_id[len(CALL_ID_PREFIX) :] if call_id.startswith(CALL_ID_PREFIX) else call_id
+    name = _ID_SUFFIX.sub("", name)
+    return name if FUNCTION_NAME.fullmatch(name) else None
+
+
+def check_arguments(arguments: str) -> str | None:
+    """Why `arguments` is not a JSON object, or None if it is."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError as e:
+        return f"arguments are not valid JSON: {e}"
+    if not isinstance(value, dict):
+        return f"arguments must be a JSON object, got {type(value).__name__}"
+    return None
+
+
+def _partial_marker_at(text: str) -> int:
+    """Start of a tail of `text` that could still grow into a marker, or len(text) if there is none."""
+    # Markers hold "<" only as their first character, so only the last "<" can start such a tail.
+    start = text.rfind("<", max(0, len(text) - _LONGEST_MARKER + 1))
+    return start if start != -1 and any(m.startswith(text[start:]) for m in MARKERS) else len(text)
+
+
+class KimiK2ToolParser(ToolParser):
+    """Incremental parser for K2's `<|tool_calls_section_begin|>` format."""
+
+    name = "kimi_k2"
+
+    def reset(self) -> None:
+        """Forget all state, ready for a new output."""
+        self._buf = ""  # text not yet consumed; may end in a partial marker
+        self._state = _CONTENT
+        self._hold_ws = False  # in content just after a section: leading whitespace is held
+        self._pending_ws = ""  # whitespace held back (content after a section, or argument tail)
+        self._header = ""  # the call id being read
+        self._args: list[str] = []  # the open call's argument text, as emitted
+        self._call_errors: list[str] = []
+        self._num_calls = 0
+        self._finished = False
+
+    def feed(self, delta: str) -> DeltaMessage:
+        """Consume the next piece of model output; return what is now certain."""
+        if self._finished:
+            raise ValueError("feed() after finish(); call reset() to parse another output")
+        self._buf += delta
+        out = DeltaMessage()
+        self._drain(out, final=False)
+        return out
+
+    def finish(self) -> DeltaMessage:
+        """End of output: flush held-back text and close any open call."""
+        if self._finished:
+            raise ValueError("finish() called twice; call reset() to parse another output")
+        out = DeltaMessage()
+        self._drain(out, final=True)
+        if self._state == _HEADER:
+            self._open_call(out)
+            self._close_call(out, missing=f"no {ARGUMENT_BEGIN} before the end of output")
+        elif self._state == _ARGS:
+            self._close_call(out)
+        self._state, self._pending_ws, self._finished = _DONE, "", True
+        return out
+
+    # The scanner: split the buffer into text runs and markers, holding back a possible partial marker.
+
+    def _drain(self, out: DeltaMessage, final: bool) -> None:
+        """Consume as much of the buffer as is certain."""
+        while self._buf and self._state != _DONE:
+            pos = self._buf.find("<|")
+            marker = next((m for m in MARKERS if self._buf.startswith(m, pos)), None) if pos >= 0 else None
+            if marker is not None:
+                self._text(self._buf[:pos], out)
+                self._buf = self._buf[pos + len(marker) :]
+                self._marker(marker, out)
+                continue
+            could_grow = not final and pos >= 0 and any(m.startswith(self._buf[pos:]) for m in MARKERS)
+            if pos >= 0 and not could_grow:
+                # "<|" that can no longer become a marker is ordinary text.
+                self._text(self._buf[: pos + 2], out)
+                self._buf = self._buf[pos + 2 :]
+                continue
+            cut = len(self._buf) if final else _partial_marker_at(self._buf)
+            self._text(self._buf[:cut], out)
+            self._buf = self._buf[cut:]
+            break
+        if self._state == _DONE:
+            self._buf = ""
+
+    def _text(self, text: str, out: DeltaMessage) -> None:
+        """Handle a run of text containing no marker."""
+        if not text:
+            return
+        if self._state == _CONTENT:
+            if self._hold_ws:
+                if not text.strip():
+                    self._pending_ws += text
+                    return
+                text, self._pending_ws, self._hold_ws = self._pending_ws + text, "", False
+            out.content += text
+        elif self._state == _HEADER:
+            self._header += text
+        elif self._state == _ARGS:
+            self._arg_text(text, out)
+        # In _SECTION, text between calls is discarded.
+
+    def _arg_text(self, text: str, out: DeltaMessage) -> None:
+        """Stream argument text, dropping leading whitespace and holding back trailing whitespace."""
+        if not self._args:
+            text = text.lstrip()
+        body = text.rstrip()
+        if body:
+            chunk = self._pending_ws + body
+            self._pending_ws = ""
+            self._args.append(chunk)
+            out.tool_calls.append({"index": self._num_calls - 1, "function": {"arguments": chunk}})
+        self._pending_ws += text[len(body) :]
+
+    def _marker(self, marker: str, out: DeltaMessage) -> None:
+        """Handle one marker in the current state."""
+        if self._state == _HEADER:
+            self._open_call(out)
+            if marker == ARGUMENT_BEGIN:
+                self._state = _ARGS
+                return
+            self._close_call(out, missing=f"no {ARGUMENT_BEGIN} before {marker}")
+            self._state = _SECTION  # then let the marker act as it would between calls
+        elif self._state == _ARGS:
+            self._close_call(out)
+            self._state = _SECTION
+            if marker == CALL_END:
+                return
+        if marker == IM_END:
+            self._state = _DONE
+        elif self._state == _CONTENT:
+            if marker in (SECTION_BEGIN, CALL_BEGIN):
+                self._pending_ws, self._hold_ws = "", False
+                self._state = _SECTION
+                if marker == CALL_BEGIN:  # a call with no section opened: open one implicitly
+                    self._start_header()
+        elif self._state == _SECTION:
+            if marker == CALL_BEGIN:
+                self._start_header()
+            elif marker == SECTION_END:
+                self._state, self._hold_ws = _CONTENT, True
+
+    # Calls.
+
+    def _start_header(self) -> None:
+        """Begin reading a call id."""
+        self._state, self._header = _HEADER, ""
+
+    def _open_call(self, out: DeltaMessage) -> None:
+        """Announce the call whose id was just read."""
+        call_id = self._header.strip()
+        name = function_name_from_id(call_id)
+        self._call_errors = [] if name is not None else [f"malformed tool-call id {call_id!r}"]
+        self._args, self._pending_ws = [], ""
+        out.tool_calls.append(
+            {
+                "index": self._num_calls,
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name or "", "arguments": ""},
+            }
+        )
+        self._num_calls += 1
+
+    def _close_call(self, out: DeltaMessage, missing: str | None = None) -> None:
+        """Close the open call: drop its trailing whitespace, report any error (`missing`: it had no arguments)."""
+        self._pending_ws = ""
+        errors = self._call_errors + [missing or check_arguments("".join(self._args))]
+        errors = [e for e in errors if e is not None]
+        if errors:
+            out.errors.append({"index": self._num_calls - 1, "error": "; ".join(errors)})
+        self._call_errors = []
