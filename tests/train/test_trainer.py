@@ -153,3 +153,17 @@ def test_config_inheritance(tmp_path):
     (tmp_path / "loop.toml").write_text('base = "loop.toml"\n')
     with pytest.raises(ValueError, match="loops"):
         load_run_config(tmp_path / "loop.toml")
+
+
+def test_adamw_baseline_trains_and_resumes(micro_raw, tmp_path):
+    micro_raw["optim"].update(optimizer="adamw", lr=3e-3)
+    cfg = RunConfig.from_dict(micro_raw)
+    trainer = Trainer(cfg, out_dir=tmp_path / "r")
+    assert trainer.optimizer.muon is None
+    trainer.run(max_steps=4)
+    records = [r for r in read_metrics(tmp_path / "r") if "loss" in r]
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert Trainer(cfg, out_dir=tmp_path / "r", resume=True).step == 4
+    micro_raw["optim"]["optimizer"] = "muon"
+    with pytest.raises(ValueError, match="different optimizer"):
+        Trainer(RunConfig.from_dict(micro_raw), out_dir=tmp_path / "r", resume=True)

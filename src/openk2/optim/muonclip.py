@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from openk2.optim.param_groups import MuonFilter, build_optimizers
+from openk2.optim.param_groups import ADAMW_BETAS, ADAMW_EPS, MuonFilter, build_optimizers
 from openk2.optim.qk_clip import QKClip, reduce_max_logits
 
 
@@ -57,13 +57,19 @@ class MuonClip:
         rms_scale: float = 0.2,
         ns_dtype: torch.dtype = torch.bfloat16,
         muon_filter: MuonFilter | None = None,
+        use_muon: bool = True,
         process_group=None,
     ) -> None:
         self.model = model
-        self.muon, self.adamw = build_optimizers(
-            model, lr, weight_decay, muon_filter, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-            rms_scale=rms_scale, ns_dtype=ns_dtype,
-        )
+        if use_muon:
+            self.muon, self.adamw = build_optimizers(
+                model, lr, weight_decay, muon_filter, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                rms_scale=rms_scale, ns_dtype=ns_dtype,
+            )
+        else:  # the AdamW baseline (everything on AdamW), with QK-Clip and the probe still available
+            self.muon = None
+            self.adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                           betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=weight_decay)
         # tau=None gives vanilla Muon; the probe still runs so that max logits can be logged.
         self.qk_clip = QKClip(model, tau=tau, process_group=process_group) if tau is not None else None
         self.tau = tau
@@ -72,12 +78,12 @@ class MuonClip:
         self.last_clip: ClipStats | None = None
 
     @property
-    def optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-        return self.muon, self.adamw
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        return (self.adamw,) if self.muon is None else (self.muon, self.adamw)
 
     @property
     def lr(self) -> float:
-        return self.muon.param_groups[0]["lr"]
+        return self.adamw.param_groups[0]["lr"]
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of both optimizers (they share one, as in the report)."""
@@ -92,8 +98,8 @@ class MuonClip:
     @torch.no_grad()
     def step(self) -> ClipStats:
         """Update all weights, then QK-Clip with the max logits recorded since the previous step."""
-        self.muon.step()
-        self.adamw.step()
+        for opt in self.optimizers:
+            opt.step()
         max_logits = reduce_max_logits(self.model.pop_max_logits(), self.process_group)
         if self.qk_clip is not None:
             gamma = self.qk_clip.apply(max_logits, reduce=False)
@@ -108,8 +114,12 @@ class MuonClip:
         self.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(), "tau": self.tau}
+        muon = None if self.muon is None else self.muon.state_dict()
+        return {"muon": muon, "adamw": self.adamw.state_dict(), "tau": self.tau}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.muon.load_state_dict(state["muon"])
+        if (state["muon"] is None) != (self.muon is None):
+            raise ValueError("optimizer state was saved for a different optimizer (Muon vs AdamW-only)")
+        if self.muon is not None:
+            self.muon.load_state_dict(state["muon"])
         self.adamw.load_state_dict(state["adamw"])

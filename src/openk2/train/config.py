@@ -35,6 +35,7 @@ class TokenizerSection:
 
 @dataclass(kw_only=True)
 class OptimSection:
+    optimizer: str = "muon"  # "muon": MuonClip (Muon + AdamW + QK-Clip); "adamw": AdamW for every parameter
     lr: float = 2e-3  # peak learning rate (shared by Muon and AdamW, as in the report)
     weight_decay: float = 0.1
     qk_clip_tau: float = 100.0  # <= 0 turns QK-Clip off (vanilla Muon); max logits are still logged
@@ -49,6 +50,8 @@ class OptimSection:
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be positive, got {self.lr}")
+        if self.optimizer not in ("muon", "adamw"):
+            raise ValueError(f"optim.optimizer must be muon or adamw, got {self.optimizer!r}")
         if self.ns_dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError(f"optim.ns_dtype must be bfloat16, float16 or float32, got {self.ns_dtype!r}")
 

@@ -73,7 +73,7 @@ class Trainer:
             self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
             tau=cfg.optim.qk_clip_tau if cfg.optim.qk_clip_tau > 0 else None, momentum=cfg.optim.momentum,
             nesterov=cfg.optim.nesterov, ns_steps=cfg.optim.ns_steps, rms_scale=cfg.optim.rms_scale,
-            ns_dtype=ns_dtype,
+            ns_dtype=ns_dtype, use_muon=cfg.optim.optimizer == "muon",
         )
         self.schedule = cfg.schedule.build(tc.steps, cfg.optim.lr)
         self.train_loader = PackedLoader(cfg.data, self.tokenizer, tc.batch_size, split="train")
