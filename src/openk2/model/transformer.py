@@ -111,9 +111,9 @@ class K2ForCausalLM(nn.Module):
         aux_loss = torch.stack(aux).sum() if aux else None
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
-            )
+            # Shift the labels, not the logits: slicing [B, T, V] logits would copy them twice per step.
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
             if aux_loss is not None:
                 loss = loss + aux_loss
         counts = torch.stack([m.tokens_per_expert.clone() for m in moe_layers]) if moe_layers else None
