@@ -26,17 +26,18 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                         size: int = 1024, repeats: int = 5) -> float:
-    """Median FLOP/s of a square matmul in `dtype`: the ceiling MFU is measured against on this machine."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    a @ b  # warm-up (allocations, kernel selection)
+    """Median FLOP/s of x @ W^T (nn.Linear's layout) in `dtype`: the ceiling MFU is measured against here."""
+    x = torch.randn(size, size, device=device).to(dtype)
+    w = torch.randn(size, size, device=device).to(dtype)
+    cuda = torch.device(device).type == "cuda"
+    x @ w.t()  # warm-up (allocations, kernel selection)
     times = []
     for _ in range(repeats):
-        if torch.device(device).type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        a @ b
-        if torch.device(device).type == "cuda":
+        x @ w.t()
+        if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 2 * size**3 / statistics.median(times)
