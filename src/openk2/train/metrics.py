@@ -113,7 +113,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         imbalance = np.asarray([[max(row) * len(row) for row in snapshot] for snapshot in loads])
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
         im = ax1.imshow(load, aspect="auto", cmap="viridis")
-        ax1.set(xlabel="expert", ylabel="MoE layer", title=f"Expert load at step {steps[-1]} (share of tokens)")
+        ax1.set(xlabel="expert", ylabel="MoE layer", title=f"Expert load at step {steps[-1]} (share of tokens)",
+                yticks=range(load.shape[0]))
         fig.colorbar(im, ax=ax1)
         for i in range(imbalance.shape[1]):
             ax2.plot(steps, imbalance[:, i], lw=1, label=f"MoE layer {i}")
