@@ -167,3 +167,12 @@ def test_adamw_baseline_trains_and_resumes(micro_raw, tmp_path):
     micro_raw["optim"]["optimizer"] = "muon"
     with pytest.raises(ValueError, match="different optimizer"):
         Trainer(RunConfig.from_dict(micro_raw), out_dir=tmp_path / "r", resume=True)
+
+
+def test_bf16_autocast_trains_with_fp32_master_weights(micro_raw, tmp_path):
+    micro_raw["train"]["precision"] = "bf16"
+    trainer = Trainer(RunConfig.from_dict(micro_raw), out_dir=tmp_path / "r")
+    assert trainer.autocast_dtype == torch.bfloat16
+    trainer.run(max_steps=2)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_metrics(tmp_path / "r") if "loss" in r)
