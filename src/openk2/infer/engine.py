@@ -204,6 +204,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def running_progress(self) -> list[tuple[int | str, int, list[int], list[float]]]:
+        """(request_id, sample_index, tokens so far, their log-probs) of every running sample, for streaming."""
+        return [(s.request_id, s.sample_index, s.tokens, s.logprobs) for s in self._running.values()]
+
     def abort(self, request_id: int | str) -> None:
         """Drop a request's waiting and running samples (no results are produced for them)."""
         self._waiting = deque(s for s in self._waiting if s.request_id != request_id)

@@ -1,0 +1,575 @@
+"""OpenAI-compatible HTTP server over the openk2 `Engine` (`openk2 serve`). See docs/serving.md.
+
+One background thread owns the engine: it takes new requests and aborts from a queue, calls `engine.step()`
+while anything is unfinished, and hands tokens and finished samples back to the asyncio handlers through
+`loop.call_soon_threadsafe`. Requests from concurrent clients are therefore batched together by the engine's
+continuous batching, and the event loop never blocks on a forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openk2.infer.chat import parse_assistant, render
+from openk2.infer.protocol import (
+    ChatCompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from openk2.infer.tool_parsers import get_tool_parser
+from openk2.infer.tool_parsers.kimi_k2 import ARGUMENT_BEGIN, CALL_BEGIN, SECTION_BEGIN
+
+log = logging.getLogger("openk2.serve")
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_MAX_TOKENS_LIMIT = 4096
+_HELD_BACK = "\ufffd"  # a split UTF-8 character decodes to this until its last byte arrives
+
+
+# ------------------------------------------------------------------------------------------------ errors
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+# ------------------------------------------------------------------------------------------- engine loop
+@dataclass
+class _Sink:
+    """Where the engine thread sends one request's events: ("tokens", i, ids, logprobs), ("done", result),
+    ("error", exc) or ("rejected", exc)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    n: int
+    stream: bool
+    sent: list[int] = field(default_factory=list)
+    finished: int = 0
+
+    def push(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+
+class EngineLoop:
+    """The thread that owns the engine and steps it while any request is unfinished."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="openk2-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._commands.put(("stop",))
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def submit(self, request_id: str, prompt: list[int], params: Any, sink: _Sink) -> None:
+        self._commands.put(("add", request_id, prompt, params, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # -- thread side
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished()
+            try:
+                commands = [self._commands.get(block=not busy)]
+            except queue.Empty:
+                commands = []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                if cmd[0] == "stop":
+                    for rid, sink in self._sinks.items():
+                        engine.abort(rid)
+                        sink.push(("error", RuntimeError("server shutting down")))
+                    self._sinks.clear()
+                    return
+                if cmd[0] == "add":
+                    _, rid, prompt, params, sink = cmd
+                    try:
+                        engine.add_request(prompt, params, request_id=rid)
+                    except Exception as err:  # noqa: BLE001 - reported to the client as a 400
+                        sink.push(("rejected", err))
+                        continue
+                    sink.sent = [0] * sink.n
+                    self._sinks[rid] = sink
+                elif cmd[0] == "abort":
+                    if self._sinks.pop(cmd[1], None) is not None:
+                        engine.abort(cmd[1])
+            if not engine.has_unfinished():
+                continue
+            try:
+                finished = engine.step()
+            except Exception as err:  # noqa: BLE001 - fail the in-flight requests, keep serving
+                log.exception("engine step failed")
+                for rid, sink in self._sinks.items():
+                    engine.abort(rid)
+                    sink.push(("error", err))
+                self._sinks.clear()
+                continue
+            self._publish_tokens()
+            for result in finished:
+                sink = self._sinks.get(result.request_id)
+                if sink is None:
+                    continue
+                sink.push(("done", result))
+                sink.finished += 1
+                if sink.finished >= sink.n:
+                    del self._sinks[result.request_id]
+
+    def _publish_tokens(self) -> None:
+        """Send streaming requests the tokens their running samples gained in this step."""
+        if not any(s.stream for s in self._sinks.values()):
+            return
+        for request_id, i, tokens, logprobs in self.engine.running_progress():
+            sink = self._sinks.get(request_id)
+            if sink is None or not sink.stream:
+                continue
+            n = len(tokens)
+            if n > sink.sent[i]:
+                sink.push(("tokens", i, list(tokens[sink.sent[i]:n]), list(logprobs[sink.sent[i]:n])))
+                sink.sent[i] = n
+
+
+# ------------------------------------------------------------------------------------------ the service
+@dataclass
+class _Prepared:
+    request: ChatCompletionRequest
+    prompt: list[int]
+    prefix: str  # text forced at the start of the assistant turn (tool_choice required / named)
+    params: Any
+    stops: list[str]
+
+
+class ChatService:
+    """Turns validated requests into engine requests and engine results into OpenAI responses."""
+
+    def __init__(self, engine: Any, tokenizer: Any, model_name: str, max_tokens_limit: int,
+                 tool_parser: str = "kimi_k2") -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_tokens_limit = max_tokens_limit
+        self.max_seq_len = int(getattr(engine, "max_seq_len", 1 << 30))
+        self.loop = EngineLoop(engine)
+        self.parser_cls = get_tool_parser(tool_parser)
+        sid = tokenizer.special_ids
+        self.im_end_id = sid["<|im_end|>"]
+        self.section_begin_id = sid[SECTION_BEGIN]
+        self.created = int(time.time())
+
+    # -- request -> engine
+    def prepare(self, req: ChatCompletionRequest) -> _Prepared:
+        from openk2.infer.sampling import SamplingParams  # torch import, kept out of module import time
+
+        if req.model != self.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist", param="model", code="model_not_found")
+        bad = req.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice
+        prefix = ""
+        stop_ids = [self.im_end_id]
+        if choice is not None and choice != "none" and choice != "auto" and not tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if choice == "none":
+            tools = None  # not declared; a call the model starts anyway ends the sample (stop token)
+            stop_ids.append(self.section_begin_id)
+        elif choice == "required":
+            prefix = f"{SECTION_BEGIN}{CALL_BEGIN}functions."
+        elif choice is not None and choice != "auto":
+            name = choice.function.name
+            if name not in {t["function"]["name"] for t in tools}:
+                raise APIError(400, f"tool_choice names function {name!r}, which is not in tools",
+                               param="tool_choice")
+            prefix = f"{SECTION_BEGIN}{CALL_BEGIN}functions.{name}:0{ARGUMENT_BEGIN}"
+        try:
+            text = render([m.to_template() for m in req.messages], tools=tools, add_generation_prompt=True)
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from err
+        prompt = self.tokenizer.encode(text + prefix, allow_special=True)
+        room = self.max_seq_len - len(prompt)
+        asked = req.requested_max_tokens()
+        if asked is not None and asked > self.max_tokens_limit:
+            raise APIError(400, f"max_tokens is {asked}, above this server's limit of {self.max_tokens_limit}",
+                           param="max_tokens", code="invalid_value")
+        max_tokens = asked if asked is not None else min(self.max_tokens_limit, room)
+        if room < 1 or max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {self.max_seq_len} tokens. However, you "
+                           f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, "
+                           f"{max_tokens} in the completion).", param="messages", code="context_length_exceeded")
+        try:
+            params = SamplingParams(**req.to_sampling_params(max_tokens, tuple(stop_ids)))
+        except ValueError as err:
+            raise APIError(400, str(err)) from err
+        return _Prepared(req, prompt, prefix, params, req.stop_list())
+
+    def submit(self, prep: _Prepared, request_id: str) -> _Sink:
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), prep.params.n, prep.request.stream)
+        self.loop.submit(request_id, prep.prompt, prep.params, sink)
+        return sink
+
+    # -- engine -> response
+    def final_tokens(self, result: Any) -> tuple[list[int], list[float]]:
+        """The generated ids and logprobs without a closing stop token (<|im_end|>, eos, ...)."""
+        ids, lps = list(result.token_ids), list(result.logprobs)
+        if result.finish_reason == "stop" and isinstance(result.stop_reason, int) and ids:
+            ids, lps = ids[:-1], lps[:-1]
+        return ids, lps
+
+    def final_text(self, result: Any) -> str:
+        if isinstance(result.stop_reason, str) and result.text is not None:
+            return result.text  # the engine already cut it before the stop string
+        return self.tokenizer.decode(self.final_tokens(result)[0])
+
+    def logprob_entries(self, ids: Sequence[int], lps: Sequence[float]) -> list[dict]:
+        out = []
+        for t, lp in zip(ids, lps, strict=True):
+            tok = self.tokenizer.decode([t])
+            out.append({"token": tok, "logprob": float(lp), "bytes": list(tok.encode("utf-8")), "top_logprobs": []})
+        return out
+
+    def completion(self, prep: _Prepared, request_id: str, results: list[Any]) -> dict:
+        choices = []
+        completion_tokens = 0
+        for r in sorted(results, key=lambda r: r.sample_index):
+            completion_tokens += len(r.token_ids)
+            content, calls = parse_assistant(prep.prefix + self.final_text(r))
+            message: dict[str, Any] = {"content": content if content or not calls else None,
+                                       "refusal": None, "role": "assistant"}
+            if calls:
+                message["tool_calls"] = [{k: v for k, v in c.items() if k != "error"} for c in calls]
+            choice: dict[str, Any] = {"finish_reason": "tool_calls" if calls else r.finish_reason,
+                                      "index": r.sample_index, "logprobs": None, "message": message}
+            if prep.request.logprobs:
+                choice["logprobs"] = {"content": self.logprob_entries(*self.final_tokens(r)), "refusal": None}
+            choices.append(choice)
+        return {"id": request_id, "choices": choices, "created": int(time.time()), "model": self.model_name,
+                "object": "chat.completion", "system_fingerprint": None,
+                "usage": self.usage(len(prep.prompt), completion_tokens)}
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"completion_tokens": completion_tokens, "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    async def collect(self, sink: _Sink) -> list[Any]:
+        results = []
+        while len(results) < sink.n:
+            event = await sink.queue.get()
+            kind = event[0]
+            if kind == "done":
+                results.append(event[1])
+            elif kind == "rejected":
+                raise APIError(400, str(event[1]))
+            elif kind == "error":
+                raise APIError(500, f"generation failed: {event[1]}", type_="server_error")
+        return results
+
+    async def stream(self, prep: _Prepared, request_id: str, sink: _Sink) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        want_lp = prep.request.logprobs
+        held = max((len(s) for s in prep.stops), default=1) - 1
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+            body = {"id": request_id, "choices": choices, "created": created, "model": self.model_name,
+                    "object": "chat.completion.chunk", "system_fingerprint": None}
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+        def delta_choice(i: int, delta, lp: list[dict] | None) -> dict | None:
+            d: dict[str, Any] = {}
+            if delta.content:
+                d["content"] = delta.content
+            if delta.tool_calls:
+                d["tool_calls"] = delta.tool_calls
+                states[i]["calls"] = True
+            if not d and not lp:
+                return None
+            return {"index": i, "delta": d, "finish_reason": None,
+                    "logprobs": {"content": lp, "refusal": None} if lp else None}
+
+        states = [{"ids": [], "lps": [], "emitted": 0, "parser": self.parser_cls(), "calls": False}
+                  for _ in range(sink.n)]
+        completion_tokens = 0
+        done = 0
+        try:
+            for i in range(sink.n):
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                         "logprobs": None}
+                out = [first]
+                if prep.prefix:
+                    c = delta_choice(i, states[i]["parser"].feed(prep.prefix), None)
+                    if c is not None:
+                        out.append(c)
+                yield chunk(out)
+            while done < sink.n:
+                event = await sink.queue.get()
+                kind = event[0]
+                if kind == "rejected":
+                    err = APIError(400, str(event[1]))
+                    yield f"data: {json.dumps(err.body())}\n\n".encode()
+                    return
+                if kind == "error":
+                    err = APIError(500, f"generation failed: {event[1]}", type_="server_error")
+                    yield f"data: {json.dumps(err.body())}\n\n".encode()
+                    return
+                if kind == "tokens":
+                    _, i, ids, lps = event
+                    st = states[i]
+                    st["ids"] += ids
+                    st["lps"] += lps
+                    text = self.tokenizer.decode(st["ids"])
+                    safe = len(text.rstrip(_HELD_BACK)) - held
+                    piece = text[st["emitted"]:safe] if safe > st["emitted"] else ""
+                    st["emitted"] = max(st["emitted"], safe)
+                    lp = self.logprob_entries(ids, lps) if want_lp else None
+                    c = delta_choice(i, st["parser"].feed(piece) if piece else _empty(), lp)
+                    if c is not None:
+                        yield chunk([c])
+                    continue
+                result = event[1]  # "done"
+                done += 1
+                i = result.sample_index
+                st = states[i]
+                completion_tokens += len(result.token_ids)
+                ids, lps = self.final_tokens(result)
+                text = self.final_text(result)
+                already = self.tokenizer.decode(st["ids"])[: st["emitted"]]
+                piece = text[len(already):] if text.startswith(already) else ""
+                new_lp = self.logprob_entries(ids[len(st["ids"]):], lps[len(st["ids"]):]) if want_lp else None
+                parser = st["parser"]
+                d1, d2 = parser.feed(piece), parser.finish()
+                d1.content += d2.content
+                d1.tool_calls += d2.tool_calls
+                c = delta_choice(i, d1, new_lp or None)
+                out = [c] if c is not None else []
+                reason = "tool_calls" if st["calls"] else result.finish_reason
+                out.append({"index": i, "delta": {}, "finish_reason": reason, "logprobs": None})
+                yield chunk(out)
+            opts = prep.request.stream_options
+            if opts is not None and opts.include_usage:
+                yield chunk([], self.usage(len(prep.prompt), completion_tokens))
+            yield b"data: [DONE]\n\n"
+        finally:
+            if done < sink.n:
+                self.loop.abort(request_id)
+
+
+def _empty():
+    from openk2.infer.tool_parsers.base import DeltaMessage
+
+    return DeltaMessage()
+
+
+# ---------------------------------------------------------------------------------------------- the app
+def _load(checkpoint: str | Path, max_batch_size: int, max_seq_len: int, device: str | None, dtype: str | None):
+    import torch
+
+    from openk2.data.tokenizer import K2Tokenizer
+    from openk2.infer.engine import Engine
+    from openk2.model import K2ForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    model = K2ForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype, device=device).eval()
+    tokenizer = K2Tokenizer.load(checkpoint)
+    engine = Engine(model, tokenizer=tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    return engine, tokenizer
+
+
+def create_app(
+    source: str | Path | tuple[Any, Any],
+    model_name: str | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+    max_batch_size: int = 8,
+    max_seq_len: int = 2048,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> FastAPI:
+    """The FastAPI app. `source` is a checkpoint directory (model + tokenizer, loaded here) or an
+    `(engine, tokenizer)` pair; the engine must have a tokenizer for stop strings. `model_name` defaults to the
+    checkpoint directory's name (or "openk2"). `api_key` (None: no auth) is checked as `Authorization: Bearer`."""
+    if isinstance(source, tuple):
+        engine, tokenizer = source
+        model_name = model_name or "openk2"
+    else:
+        engine, tokenizer = _load(source, max_batch_size, max_seq_len, device, dtype)
+        model_name = model_name or Path(source).resolve().name
+    service = ChatService(engine, tokenizer, model_name, max_tokens_limit)
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        service.loop.start()
+        try:
+            yield
+        finally:
+            service.loop.stop()
+
+    app = FastAPI(title="openk2", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if err.status_code == 404 else None
+        return APIError(err.status_code, str(err.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(_request: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(err).__name__}", type_="server_error").response()
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+    async def read_body(request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        too_big = APIError(413, f"request body larger than {max_request_bytes} bytes", code="request_too_large")
+        if length is not None and length.isdigit() and int(length) > max_request_bytes:
+            raise too_big
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > max_request_bytes:
+                raise too_big
+        return bytes(body)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict:
+        check_auth(request)
+        return ModelList(data=[ModelCard(id=model_name, created=service.created)]).model_dump()
+
+    @app.get("/v1/models/{name}")
+    async def get_model(name: str, request: Request) -> dict:
+        check_auth(request)
+        if name != model_name:
+            raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
+        return ModelCard(id=model_name, created=service.created).model_dump()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_auth(request)
+        raw = await read_body(request)
+        try:
+            payload = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(400, f"We could not parse the JSON body of your request: {err}",
+                           code="invalid_json") from err
+        if not isinstance(payload, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            req = ChatCompletionRequest.model_validate(payload)
+        except ValidationError as err:
+            first = err.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise APIError(400, f"Invalid value for '{param}': {first['msg']}", param=param,
+                           code="invalid_value") from err
+        prep = service.prepare(req)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        sink = service.submit(prep, request_id)
+        if req.stream:
+            return StreamingResponse(service.stream(prep, request_id, sink), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            results = await service.collect(sink)
+        finally:
+            if sink.finished < sink.n:
+                service.loop.abort(request_id)
+        return JSONResponse(service.completion(prep, request_id, results))
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    """`openk2 serve --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--model-name NAME]`."""
+    p = argparse.ArgumentParser(prog="openk2 serve", description="OpenAI-compatible chat server for a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="directory with config.json, safetensors, tokenizer")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("OPENK2_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $OPENK2_API_KEY; unset = no auth)")
+    p.add_argument("--model-name", default=None, help="model id clients must send (default: checkpoint dir name)")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-tokens-limit", type=int, default=DEFAULT_MAX_TOKENS_LIMIT)
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    if not Path(args.checkpoint).is_dir():
+        p.error(f"--checkpoint {args.checkpoint} is not a directory")
+
+    import uvicorn
+
+    app = create_app(args.checkpoint, model_name=args.model_name, api_key=args.api_key,
+                     max_request_bytes=args.max_request_bytes, max_tokens_limit=args.max_tokens_limit,
+                     max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, device=args.device,
+                     dtype=args.dtype)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        log.warning("serving on %s without an API key", args.host)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

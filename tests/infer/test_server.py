@@ -1,0 +1,404 @@
+"""The OpenAI-compatible server, run for real (uvicorn on 127.0.0.1) and driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import torch  # noqa: E402
+import uvicorn  # noqa: E402
+
+from openk2.infer.engine import GenerationResult  # noqa: E402
+from openk2.infer.server import create_app  # noqa: E402
+
+MODEL = "tiny-k2"
+API_KEY = "sk-test-key"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+CALL_TEXT = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+             '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny random K2 checkpoint with a locally trained tokenizer (K2 special tokens included)."""
+    from openk2.config import ModelConfig
+    from openk2.data.mathgen import math_documents
+    from openk2.data.tokenizer import train_tokenizer
+    from openk2.model import K2ForCausalLM
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-k2"
+    texts = list(math_documents(seed=0, count=200)) + ["Hello, how are you? The weather in Paris is sunny."] * 20
+    tok = train_tokenizer(texts, vocab_size=768)
+    cfg = ModelConfig.preset("tiny").replace(
+        vocab_size=768, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8, n_routed_experts=8)
+    torch.manual_seed(0)
+    K2ForCausalLM(cfg).save_pretrained(out)
+    tok.save(out)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, app) -> None:
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def real_server(checkpoint):
+    torch.set_num_threads(1)
+    app = create_app(checkpoint, model_name=MODEL, max_request_bytes=64 * 1024, max_tokens_limit=64,
+                     max_batch_size=8, max_seq_len=256, device="cpu", dtype="float32")
+    srv = _Server(app)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="session")
+def client(real_server):
+    return openai.OpenAI(base_url=real_server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+class _Seq:
+    def __init__(self, rid, i, prompt, params) -> None:
+        self.request_id, self.sample_index, self.prompt, self.params = rid, i, prompt, params
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+
+
+class ScriptedEngine:
+    """The Engine interface, but every sample writes `self.script` (a text with K2 markers), token by token."""
+
+    def __init__(self, tokenizer, max_seq_len: int = 512) -> None:
+        self.tokenizer, self.max_seq_len = tokenizer, max_seq_len
+        self.eos_id = tokenizer.eos_id
+        self.script = CALL_TEXT
+        self.prompts: list[tuple[list[int], object]] = []
+        self._waiting: list[_Seq] = []
+        self._running: dict[int, _Seq] = {}
+        self._slot = 0
+
+    def add_request(self, prompt, params, request_id=None):
+        self.prompts.append((list(prompt), params))
+        self._waiting += [_Seq(request_id, i, list(prompt), params) for i in range(params.n)]
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def running_progress(self):
+        return [(s.request_id, s.sample_index, s.tokens, s.logprobs) for s in self._running.values()]
+
+    def abort(self, request_id) -> None:
+        self._waiting = [s for s in self._waiting if s.request_id != request_id]
+        self._running = {k: s for k, s in self._running.items() if s.request_id != request_id}
+
+    def step(self) -> list[GenerationResult]:
+        for s in self._waiting:
+            self._slot += 1
+            self._running[self._slot] = s
+        self._waiting = []
+        ids = self.tokenizer.encode(self.script, allow_special=True)
+        done = []
+        for slot, s in list(self._running.items()):
+            tok = ids[len(s.tokens)]
+            s.tokens.append(tok)
+            s.logprobs.append(-0.5)
+            stop = tok in s.params.stop_token_ids or tok == self.eos_id
+            if stop or len(s.tokens) >= s.params.max_tokens or len(s.tokens) == len(ids):
+                done.append(GenerationResult(s.request_id, s.sample_index, s.prompt, s.tokens, s.logprobs,
+                                             "stop" if stop else "length", tok if stop else None,
+                                             self.tokenizer.decode(s.tokens)))
+                del self._running[slot]
+        return done
+
+
+@pytest.fixture(scope="session")
+def scripted(checkpoint):
+    from openk2.data.tokenizer import K2Tokenizer
+
+    tok = K2Tokenizer.load(checkpoint)
+    engine = ScriptedEngine(tok)
+    srv = _Server(create_app((engine, tok), model_name=MODEL, api_key=API_KEY))
+    srv.engine, srv.tokenizer = engine, tok
+    srv.client = openai.OpenAI(base_url=srv.base + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+    yield srv
+    srv.close()
+
+
+def _stream(client, **kw):
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kw))
+    by_choice: dict[int, dict] = {}
+    for ch in chunks:
+        for c in ch.choices:
+            st = by_choice.setdefault(c.index, {"content": "", "calls": {}, "finish": None, "role": None})
+            if c.delta.role:
+                st["role"] = c.delta.role
+            st["content"] += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                call = st["calls"].setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                if tc.id:
+                    call["id"] = tc.id
+                if tc.function and tc.function.name:
+                    call["name"] = tc.function.name
+                if tc.function and tc.function.arguments:
+                    call["arguments"] += tc.function.arguments
+            if c.finish_reason:
+                st["finish"] = c.finish_reason
+    return chunks, by_choice
+
+
+HELLO = [{"role": "user", "content": "Hello, how are you?"}]
+
+
+# ---------------------------------------------------------------------------------------------- real model
+def test_models_endpoint(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_plain_chat(client):
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion" and r.model == MODEL and len(r.choices) == 1
+    c = r.choices[0]
+    assert c.finish_reason in ("stop", "length", "tool_calls") and c.message.role == "assistant"
+    assert r.usage.prompt_tokens > 5 and 1 <= r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_stream_reconstructs_non_stream(client, real_server):
+    kw = {"messages": HELLO, "max_tokens": 24, "temperature": 1.0, "seed": 7}
+    full = client.chat.completions.create(model=MODEL, **kw)
+    chunks, by_choice = _stream(client, **kw)
+    st = by_choice[0]
+    assert st["role"] == "assistant"
+    assert st["content"] == (full.choices[0].message.content or "")
+    calls = [(c["name"], c["arguments"]) for c in st["calls"].values()]
+    assert calls == [(t.function.name, t.function.arguments) for t in full.choices[0].message.tool_calls or []]
+    assert st["finish"] == full.choices[0].finish_reason
+    # the raw SSE stream ends with [DONE]
+    with httpx.stream("POST", real_server.base + "/v1/chat/completions",
+                      json={"model": MODEL, "stream": True, **kw}, timeout=60) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln]
+    assert resp.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: ") for ln in lines)
+
+
+def test_n_and_seed_reproducibility(client):
+    kw = {"messages": HELLO, "max_tokens": 16, "temperature": 1.0, "seed": 3, "n": 2}
+    a = client.chat.completions.create(model=MODEL, **kw)
+    b = client.chat.completions.create(model=MODEL, **kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    _, streamed = _stream(client, **kw)
+    assert [streamed[i]["content"] for i in (0, 1)] == [c.message.content or "" for c in a.choices]
+    g1 = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10, temperature=0)
+    g2 = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10, temperature=0, seed=99)
+    assert g1.choices[0].message.content == g2.choices[0].message.content
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0, logprobs=True)
+    lp = r.choices[0].logprobs.content
+    assert 1 <= len(lp) <= 8 and all(e.logprob <= 0 for e in lp)
+    assert r.choices[0].message.content.startswith(lp[0].token) or r.choices[0].message.tool_calls
+
+
+def test_concurrent_clients(client):
+    def ask(i):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"{i} + {i} ="}],
+                                           max_tokens=8, temperature=0)
+        return r.choices[0].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:
+        reasons = list(pool.map(ask, range(8)))
+    assert len(reasons) == 8 and all(r in ("stop", "length", "tool_calls") for r in reasons)
+
+
+def _post(base, body: bytes | dict, headers=None):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(base + "/v1/chat/completions", content=data, timeout=30,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+def _err(resp, status):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_errors(real_server, client):
+    base = real_server.base
+    _err(_post(base, b"{not json"), 400)
+    _err(_post(base, b"[1, 2]"), 400)
+    assert _err(_post(base, {"model": "nope", "messages": HELLO}), 404)["code"] == "model_not_found"
+    assert _err(_post(base, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400)["param"]
+    _err(_post(base, {"model": MODEL, "messages": []}), 400)
+    _err(_post(base, {"model": MODEL}), 400)
+    long = [{"role": "user", "content": "1 + 2 = 3. " * 400}]
+    assert _err(_post(base, {"model": MODEL, "messages": long}), 400)["code"] == "context_length_exceeded"
+    assert _err(_post(base, {"model": MODEL, "messages": HELLO, "max_tokens": 10_000}), 400)["param"] == "max_tokens"
+    bad_tools = [{"type": "function", "function": {"name": "bad name!"}}]
+    _err(_post(base, {"model": MODEL, "messages": HELLO, "tools": bad_tools}), 400)
+    _err(_post(base, {"model": MODEL, "messages": HELLO, "tools": [{"type": "retrieval"}]}), 400)
+    _err(_post(base, {"model": MODEL, "messages": HELLO, "tool_choice": "required"}), 400)
+    _err(_post(base, {"model": MODEL, "messages": HELLO, "temperature": -1}), 400)
+    _err(_post(base, {"model": MODEL, "messages": HELLO, "presence_penalty": 1.0}), 400)
+    tool_no_id = [*HELLO, {"role": "tool", "content": "x"}]
+    _err(_post(base, {"model": MODEL, "messages": tool_no_id}), 400)
+    _err(_post(base, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 70_000}]}), 413)
+    _err(httpx.get(base + "/v1/nowhere"), 404)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=HELLO)
+    # still serving
+    assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).choices
+
+
+# -------------------------------------------------------------------------------------- scripted tool calls
+def test_auth(scripted):
+    base = scripted.base
+    assert _err(httpx.get(base + "/v1/models"), 401)["code"] == "invalid_api_key"
+    _err(_post(base, {"model": MODEL, "messages": HELLO}), 401)
+    _err(_post(base, {"model": MODEL, "messages": HELLO}, {"authorization": "Bearer wrong"}), 401)
+    assert httpx.get(base + "/v1/models", headers={"authorization": f"Bearer {API_KEY}"}).status_code == 200
+    bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_tool_call_non_streaming(scripted):
+    scripted.engine.script = CALL_TEXT
+    r = scripted.client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, max_tokens=200)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Checking."
+    (call,) = c.message.tool_calls
+    assert call.id == "functions.get_weather:0" and call.type == "function"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    prompt_text = scripted.tokenizer.decode(scripted.engine.prompts[-1][0])
+    assert "tool_declare" in prompt_text and "get_weather" in prompt_text
+    im_end = scripted.tokenizer.special_ids["<|im_end|>"]
+    assert im_end in scripted.engine.prompts[-1][1].stop_token_ids
+
+
+def test_tool_call_streaming(scripted):
+    scripted.engine.script = CALL_TEXT
+    chunks, by_choice = _stream(scripted.client, messages=HELLO, tools=TOOLS, max_tokens=200,
+                                stream_options={"include_usage": True})
+    st = by_choice[0]
+    assert st["content"] == "Checking." and st["finish"] == "tool_calls"
+    assert st["calls"] == {0: {"id": "functions.get_weather:0", "name": "get_weather",
+                               "arguments": '{"city": "Paris"}'}}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 5
+
+
+def test_tool_choice(scripted):
+    eng, tok = scripted.engine, scripted.tokenizer
+    # named: the call header is forced into the prompt; the model writes only the arguments
+    eng.script = '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = scripted.client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, tool_choice=named)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
+    assert tok.decode(eng.prompts[-1][0]).endswith("functions.get_weather:0<|tool_call_argument_begin|>")
+    _, streamed = _stream(scripted.client, messages=HELLO, tools=TOOLS, tool_choice=named)
+    assert streamed[0]["calls"][0]["arguments"] == '{"city": "Rome"}' and streamed[0]["finish"] == "tool_calls"
+    # required: a call section is opened for the model
+    eng.script = 'get_weather:0<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|im_end|>'
+    r = scripted.client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, tool_choice="required")
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    # none: tools are not declared and a call section ends the sample
+    eng.script = CALL_TEXT
+    r = scripted.client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.content == "Checking." and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    assert "tool_declare" not in tok.decode(eng.prompts[-1][0])
+    # unknown function name
+    bad = {"type": "function", "function": {"name": "nope"}}
+    resp = _post(scripted.base, {"model": MODEL, "messages": HELLO, "tools": TOOLS, "tool_choice": bad},
+                 {"authorization": f"Bearer {API_KEY}"})
+    _err(resp, 400)
+
+
+def test_stop_string_stream_matches(client):
+    base = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=20, temperature=0)
+    text = base.choices[0].message.content or ""
+    plain = text.replace("\ufffd", "")
+    if len(plain) < 6:
+        pytest.skip("greedy output too short to cut")
+    stop = plain[len(plain) // 2: len(plain) // 2 + 3]
+    kw = {"messages": HELLO, "max_tokens": 20, "temperature": 0, "stop": [stop]}
+    cut = client.chat.completions.create(model=MODEL, **kw)
+    assert cut.choices[0].finish_reason == "stop" and stop not in (cut.choices[0].message.content or "")
+    _, streamed = _stream(client, **kw)
+    assert streamed[0]["content"] == (cut.choices[0].message.content or "")
+
+
+def test_client_disconnect_mid_stream(real_server, client):
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 60, "stream": True, "temperature": 0}
+    with httpx.stream("POST", real_server.base + "/v1/chat/completions", json=body, timeout=30) as resp:
+        first = next(ln for ln in resp.iter_lines() if ln)
+    assert first.startswith("data: ")
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_serve_main_subprocess(checkpoint):
+    import os
+    import subprocess
+    import sys
+
+    port = _free_port()
+    env = {**os.environ, "OPENK2_API_KEY": "sk-env", "OMP_NUM_THREADS": "1"}
+    code = ("import sys; from openk2.infer.server import serve_main; "
+            f"sys.exit(serve_main(['--checkpoint', {str(checkpoint)!r}, '--port', '{port}', '--max-seq-len', '128', "
+            "'--device', 'cpu', '--log-level', 'warning']))")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                r = httpx.get(base + "/v1/models", headers={"authorization": "Bearer sk-env"}, timeout=5)
+                break
+            except httpx.TransportError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise AssertionError(proc.communicate(timeout=5)[0].decode()[-2000:]) from None
+                time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == checkpoint.name
+        assert httpx.get(base + "/v1/models", timeout=5).status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
