@@ -112,6 +112,7 @@ def test_nan_loss_skips_the_update_or_stops(micro_raw, tmp_path, capsys):
     _poison_step(trainer, 2)
     with pytest.raises(BadStepError, match="step 2: non-finite loss"):
         trainer.run()
+    assert CheckpointManager(tmp_path / "stop" / "checkpoints").latest().name == "step-0000002"
 
 
 def test_muonclip_training_decreases_loss_and_logs_clipping(micro_raw, tmp_path):

@@ -86,6 +86,7 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops = measure_matmul_peak(self.autocast_dtype or torch.float32, self.device)
         self._stop_requested = False
+        self._mid_step = False
         (self.out_dir / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
 
     # ------------------------------------------------------------------------------------------ loop
@@ -128,7 +129,9 @@ class Trainer:
             bar.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if last_ckpt is None or last_ckpt.name != self.ckpts.path_for(self.step).name:
+            if self._mid_step:  # a second Ctrl-C or an error inside a step: the state may be half-updated
+                print("warning: stopped inside a step; keeping the last complete checkpoint", file=sys.stderr)
+            elif last_ckpt is None or last_ckpt.name != self.ckpts.path_for(self.step).name:
                 last_ckpt = self.save_checkpoint() if self.step > 0 else last_ckpt
             self.metrics.close()
         if self._stop_requested:
@@ -137,6 +140,16 @@ class Trainer:
         return RunSummary(self.out_dir, self.step, last_ckpt, val_loss, self.unigram, tokens_per_s, plots)
 
     def _train_step(self) -> dict:
+        self._mid_step = True
+        try:
+            record = self._optimizer_step()
+        except BadStepError:
+            self._mid_step = False  # raised after the update was dropped: the state is whole, so checkpoint it
+            raise
+        self._mid_step = False
+        return record
+
+    def _optimizer_step(self) -> dict:
         tc = self.cfg.train
         lr = wsd_lr(self.step, self.schedule)
         self.optimizer.set_lr(lr)
