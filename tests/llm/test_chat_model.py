@@ -34,7 +34,7 @@ def local(checkpoint):
 
 
 def test_registry(real_server, checkpoint):
-    with pytest.raises(NotImplementedError, match="openai:URL#MODEL"):
+    with pytest.raises(ValueError, match="neither"):
         load_chat_model("hf:some/model")
     with pytest.raises(ValueError):
         load_chat_model("nonsense")

