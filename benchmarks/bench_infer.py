@@ -31,14 +31,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_summary  # noqa: E402
+from common import hf_copy, machine_summary, quiet_transformers  # noqa: E402
 
 from openk2 import K2ForCausalLM, ModelConfig  # noqa: E402
 from openk2.infer.engine import Engine, SamplingParams  # noqa: E402
@@ -134,19 +133,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     prompt_lens = [int(p) for p in args.prompt_lens.split(",") if p.strip()]
 
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
     started = time.perf_counter()
     print(f"machine: {machine_summary()}")
     cfg = ModelConfig.preset(args.preset)
     torch.manual_seed(args.seed)
     ours = K2ForCausalLM(cfg).eval()
-    with tempfile.TemporaryDirectory() as checkpoint:
-        ours.save_pretrained(checkpoint)
-        hf = transformers.DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    hf = hf_copy(ours).eval()
+    transformers = quiet_transformers()
     hf_attn = hf.config._attn_implementation
     hf_experts = getattr(hf.config, "_experts_implementation", "?")
     print(f"HF: DeepseekV3ForCausalLM fp32, attn_implementation={hf_attn}, experts_implementation={hf_experts} "

@@ -42,29 +42,18 @@ import argparse
 import copy
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPES, machine_summary, matmul_ceiling, time_call  # noqa: E402
+from common import DTYPES, hf_copy, machine_summary, quiet_transformers, time_call  # noqa: E402
 
 from openk2 import K2ForCausalLM, ModelConfig  # noqa: E402
+from openk2.train.flops import measure_matmul_peak, training_flops_per_token  # noqa: E402
 
 MIN_REPEATS = 2  # timed steps per model and dtype that --max-seconds never cuts below
-
-
-def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """FLOPs of one forward+backward per token (formula in the module docstring)."""
-    counts = cfg.num_params()
-    router_bias = cfg.n_routed_experts * cfg.num_moe_layers
-    embedding = 0 if cfg.tie_word_embeddings else counts.breakdown["embedding"]  # tied: it is the lm_head matmul
-    matmul_params = counts.activated - embedding - counts.breakdown["norms"] - router_bias
-    heads_dim = cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
-    attention = 3 * 2 * cfg.num_hidden_layers * heads_dim * seq_len / 2
-    return 6 * matmul_params + attention
 
 
 def train_step(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> float:
@@ -78,13 +67,9 @@ def hf_step_kwargs() -> dict:
     return {"use_cache": False}  # training: no KV cache object per forward
 
 
-def load_hf(checkpoint: str, experts: str):
-    import transformers
-
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(
-        checkpoint, dtype=torch.float32, attn_implementation="sdpa", experts_implementation=experts
-    )
-    return hf.train()
+def load_hf(model: torch.nn.Module, experts: str):
+    """HF DeepseekV3 with `model`'s weights, SDPA attention and the given experts implementation, in train mode."""
+    return hf_copy(model, attn_implementation="sdpa", experts_implementation=experts).train()
 
 
 # Registered experts implementations that need CUDA kernels (loaded from the Hub); not tried on CPU.
@@ -172,19 +157,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
+    transformers = quiet_transformers()
     started = time.perf_counter()
     print(f"machine: {machine_summary()}")
     cfg = ModelConfig.preset(args.preset)
     torch.manual_seed(args.seed)
     ours32 = K2ForCausalLM(cfg).train()
-    with tempfile.TemporaryDirectory() as checkpoint:
-        ours32.save_pretrained(checkpoint)
-        hf32 = load_hf(checkpoint, "grouped_mm" if args.hf_experts == "auto" else args.hf_experts)
+    hf32 = load_hf(ours32, "grouped_mm" if args.hf_experts == "auto" else args.hf_experts)
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     n_steps = args.warmup + args.repeats
@@ -209,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
           f"(transformers {transformers.__version__})")
 
     counts = cfg.num_params()
-    flops_tok = train_flops_per_token(cfg, args.seq_len)
+    flops_tok = training_flops_per_token(cfg, args.seq_len)
     tokens = args.batch_size * args.seq_len
     print(f"preset {args.preset}: {counts.total / 1e6:.2f}M params, {counts.activated / 1e6:.2f}M activated; "
           f"batch {args.batch_size} x {args.seq_len} = {tokens} tokens/step; "
@@ -243,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
                     losses[who] = loss
                 if i >= args.warmup:
                     times[who].append(elapsed)
-        ceiling = matmul_ceiling(dtype, args.ceiling_n, repeats=5)
+        ceiling = measure_matmul_peak(dtype, size=args.ceiling_n, repeats=5)
         ours_tps = tokens / statistics.median(times["ours"])
         hf_tps = tokens / statistics.median(times["hf"])
         row = dict(dtype=name, ours=ours_tps, hf=hf_tps, ratio=ours_tps / hf_tps,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -33,17 +34,22 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tupl
     return statistics.median(times), times
 
 
-def matmul_ceiling(dtype: torch.dtype, n: int = 2048, repeats: int = 3, device: str = "cpu") -> float:
-    """FLOP/s of x @ W^T, both n x n in `dtype` (nn.Linear's weight layout): median of `repeats` after a warm-up.
+def quiet_transformers():
+    """Import transformers with its logging and progress bars turned down; returns the module."""
+    import transformers
 
-    The layout matters on CPUs without native bf16: there a bf16 `a @ b` with row-major b runs several times
-    slower than `x @ W^T`, which oneDNN serves with a packed kernel.
-    """
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(n, n, generator=gen, device=device).to(dtype)
-    w = torch.randn(n, n, generator=gen, device=device).to(dtype)
-    seconds, _ = median_time(lambda: x @ w.t(), repeats=repeats, warmup=1)
-    return 2 * n**3 / seconds
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def hf_copy(model: torch.nn.Module, **from_pretrained_kwargs):
+    """transformers' DeepseekV3ForCausalLM holding `model`'s weights (fp32), via a temporary HF checkpoint."""
+    transformers = quiet_transformers()
+    with tempfile.TemporaryDirectory() as checkpoint:
+        model.save_pretrained(checkpoint)
+        return transformers.DeepseekV3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                                  **from_pretrained_kwargs)
 
 
 def machine_summary() -> str:

@@ -23,3 +23,10 @@ def test_flops_per_token_counts_touched_matmul_weights():
 
 def test_matmul_peak_is_positive():
     assert measure_matmul_peak(torch.float32, size=128, repeats=2) > 0
+
+
+def test_tied_embedding_counts_once_as_the_output_matmul():
+    cfg = ModelConfig.preset("tiny")
+    tied = cfg.replace(tie_word_embeddings=True)
+    # Untied: lm_head counted, embedding lookup not; tied: the shared matrix counted once, as lm_head.
+    assert training_flops_per_token(tied, 256) == training_flops_per_token(cfg, 256)

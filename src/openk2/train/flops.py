@@ -13,13 +13,16 @@ from openk2.config import ModelConfig
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """6 x (matmul parameters one token touches) + causal attention scores and values (forward + 2x backward).
 
-    Matmul parameters = activated parameters minus the embedding (a lookup), norms and the router bias.
+    Matmul parameters = activated parameters minus the embedding (a lookup, unless tied to lm_head), norms
+    and the router bias.
     Attention: per layer and head, q.k over qk_head_dim and p.v over v_head_dim, 2 FLOPs per multiply-add,
     against seq_len/2 keys on average (causal), times 3 for forward plus backward.
     """
     count = cfg.num_params()
     bias = cfg.n_routed_experts * cfg.num_moe_layers
-    matmul_params = count.activated - count.breakdown["embedding"] - count.breakdown["norms"] - bias
+    # A tied embedding is also the lm_head matmul (its lm_head entry is then 0), so it stays in.
+    embedding = 0 if cfg.tie_word_embeddings else count.breakdown["embedding"]
+    matmul_params = count.activated - embedding - count.breakdown["norms"] - bias
     attention = 3 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     return 6.0 * matmul_params + attention * seq_len / 2
 
