@@ -42,6 +42,14 @@ def test_group_limited_routing_stays_within_top_groups():
     assert (groups[:, 0] == groups[:, 1]).all()
 
 
+def _random_moe(cfg) -> MoE:
+    """A MoE block with all weights N(0, 0.3), so routing and expert outputs are far from trivial."""
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return moe
+
+
 def _loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     routing = moe.gate(x)
     out = torch.zeros_like(x)
@@ -57,9 +65,7 @@ def _loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 def test_grouped_dispatch_equals_per_expert_loop_values_and_grads():
     torch.manual_seed(0)
     cfg = small_config()
-    moe = MoE(cfg)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.3)
+    moe = _random_moe(cfg)
     x = torch.randn(23, cfg.hidden_size)
     results = []
     for mode in ("grouped", "fallback", "loop"):
@@ -80,9 +86,7 @@ def test_grouped_dispatch_equals_per_expert_loop_values_and_grads():
 def test_tokens_per_expert_and_bias_update():
     torch.manual_seed(0)
     cfg = small_config()
-    moe = MoE(cfg)
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.3)
+    moe = _random_moe(cfg)
     moe(torch.randn(2, 9, cfg.hidden_size))
     counts = moe.tokens_per_expert.clone()
     assert counts.sum() == 2 * 9 * cfg.num_experts_per_tok
@@ -94,9 +98,7 @@ def test_tokens_per_expert_and_bias_update():
 
 def test_sequence_aux_loss():
     cfg = small_config(aux_loss_alpha=0.1)
-    moe = MoE(cfg).train()
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.3)
+    moe = _random_moe(cfg).train()
     moe(torch.randn(2, 16, cfg.hidden_size))
     assert moe.aux_loss is not None and moe.aux_loss.requires_grad
     # Equal scores make P_i = 1/E, so alpha * sum_i f_i P_i = alpha * sum_i count_i / (K T) = alpha.
