@@ -177,3 +177,9 @@ def test_bf16_autocast_trains_with_fp32_master_weights(micro_raw, tmp_path):
     trainer.run(max_steps=2)
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in read_metrics(tmp_path / "r") if "loss" in r)
+
+
+def test_missing_tokenizer_path_is_an_error(micro_raw, tmp_path):
+    micro_raw["tokenizer"]["path"] = str(tmp_path / "no-such-tokenizer")
+    with pytest.raises(ValueError, match="tokenizer.path .* does not exist"):
+        Trainer(RunConfig.from_dict(micro_raw), out_dir=tmp_path / "r")

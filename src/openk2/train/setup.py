@@ -41,12 +41,13 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
 
 def prepare_tokenizer(cfg: RunConfig, out_dir: Path, resume_from: Path | None) -> K2Tokenizer:
     """The run's tokenizer: from the checkpoint when resuming, a configured path, the run dir, or trained now."""
-    for candidate in (resume_from, cfg.tokenizer.path, out_dir / "tokenizer"):
-        if candidate is not None and (Path(candidate) / "tokenizer.json").is_file() or (
-            candidate is not None and str(candidate).endswith(".json") and Path(candidate).is_file()
-        ):
-            tok = K2Tokenizer.load(candidate)
-            break
+    if cfg.tokenizer.path is not None and not Path(cfg.tokenizer.path).exists():
+        raise ValueError(f"tokenizer.path {cfg.tokenizer.path} does not exist")
+    candidates = [Path(c) for c in (resume_from, cfg.tokenizer.path, out_dir / "tokenizer") if c is not None]
+    found = next((c for c in candidates if (c / "tokenizer.json").is_file() or (c.suffix == ".json" and c.is_file())),
+                 None)
+    if found is not None:
+        tok = K2Tokenizer.load(found)
     else:
         start = time.perf_counter()
         texts = tokenizer_training_texts(cfg.data, cfg.tokenizer.train_chars)
