@@ -128,3 +128,31 @@ def test_bad_tools_and_load_failure(monkeypatch, tmp_path, capsys):
     assert "no such model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         chat_cli.chat_main([], stdin=io.StringIO(""), stdout=io.StringIO())
+
+
+def test_mcp_tools_are_executed_for_real(monkeypatch):
+    """A real mcp-server-time over stdio: its tools are offered, the model's call runs for real and is shown."""
+    call = ChatResponse(content=None, finish_reason="tool_calls", tool_calls=[
+        {"id": "call_t", "type": "function",
+         "function": {"name": "get_current_time", "arguments": json.dumps({"timezone": "Asia/Tokyo"})}}])
+    model = FakeModel([call, ChatResponse(content="It is evening in Tokyo.", finish_reason="stop")])
+    rc, out = run(monkeypatch, ["--model", "hf:x", "--mcp", "python -m mcp_server_time --local-timezone UTC"],
+                  ["time in Tokyo?"], model)
+    assert rc == 0
+    offered = {t["function"]["name"] for t in model.calls[0]["tools"]}
+    assert {"get_current_time", "convert_time"} <= offered
+    assert "(2 tools, 2 from MCP)" in out
+    assert 'tool call> get_current_time({"timezone": "Asia/Tokyo"})' in out
+    result = json.loads(model.calls[1]["messages"][2]["content"])
+    assert result["timezone"] == "Asia/Tokyo" and result["datetime"].endswith("+09:00")
+    assert f"tool result> {model.calls[1]['messages'][2]['content']}" in out
+    assert "assistant> It is evening in Tokyo." in out
+
+
+def test_mcp_bad_command(monkeypatch, capsys):
+    model = FakeModel()
+    monkeypatch.setattr(chat_cli, "load_chat_model", lambda spec: model)
+    rc = chat_cli.chat_main(["--model", "hf:x", "--mcp", "no-such-mcp-server-binary"], stdin=io.StringIO(""),
+                            stdout=io.StringIO())
+    assert rc == 2 and model.closed
+    assert "no-such-mcp-server-binary" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""One episode (report 3.1.1, "Multi-turn Trajectories"): a simulated user, an agent model, simulated tools.
+
+The user simulator opens with a request; the agent (any ChatModel, a strong remote model in real use) answers
+or calls tools, which the tool simulator executes; after each final answer the user may follow up or end.
+The episode stops when the user ends it, after `max_user_turns` user messages, or after `max_agent_steps`
+agent replies in total. The result is a `Trajectory`: OpenAI messages, the tools offered, the world state and
+how the episode ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from openk2.agentic.agents import Agent, Task
+from openk2.agentic.simulate import ToolSimulator
+from openk2.agentic.tools import Tool
+from openk2.agentic.users import Persona, UserSimulator
+from openk2.llm.base import ChatModel
+
+
+@dataclass
+class Trajectory:
+    trajectory_id: str
+    task_id: str
+    agent_id: str
+    messages: list[dict]
+    tools: list[dict]
+    persona: dict
+    end_reason: str  # user_done | max_user_turns | max_agent_steps | agent_error
+    state: dict = field(default_factory=dict)
+    outcomes: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, record: dict) -> Trajectory:
+        return cls(**record)
+
+    def tool_calls(self) -> list[str]:
+        """Names of the tools the agent called, in order."""
+        return [c["function"]["name"] for m in self.messages if m["role"] == "assistant"
+                for c in m.get("tool_calls") or []]
+
+
+async def run_episode(trajectory_id: str, agent: Agent, task: Task, tools: list[Tool], agent_model: ChatModel,
+                      user: UserSimulator, tool_sim: ToolSimulator, persona: Persona, *, max_user_turns: int = 3,
+                      max_agent_steps: int = 8, **sampling: Any) -> Trajectory:
+    """Play one episode and return its trajectory."""
+    specs = [t.to_openai() for t in tools]
+    messages: list[dict] = [{"role": "system", "content": agent.system_prompt}]
+    first = await user.next_message(messages[1:])
+    messages.append({"role": "user", "content": first or task.instruction})
+    user_turns, agent_steps, end_reason = 1, 0, "max_agent_steps"
+    while agent_steps < max_agent_steps:
+        agent_steps += 1
+        try:
+            reply = (await agent_model.achat(messages, tools=specs, **sampling))[0]
+        except Exception as err:  # noqa: BLE001 - one failed episode must not stop the run
+            end_reason = f"agent_error: {type(err).__name__}: {err}"[:200]
+            break
+        messages.append(_clean(reply.message()))
+        if reply.tool_calls:
+            for call in reply.tool_calls:
+                result = await tool_sim.execute(call)
+                # No `name`: K2's template heads a tool result with the role, naming the call by its id.
+                messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": result})
+            continue
+        if user_turns >= max_user_turns:
+            end_reason = "max_user_turns"
+            break
+        follow_up = await user.next_message(messages[1:])
+        if follow_up is None:
+            end_reason = "user_done"
+            break
+        messages.append({"role": "user", "content": follow_up})
+        user_turns += 1
+    return Trajectory(trajectory_id=trajectory_id, task_id=task.task_id, agent_id=agent.agent_id,
+                      messages=messages, tools=specs, persona=persona.to_dict(), end_reason=end_reason,
+                      state=tool_sim.state.to_dict(), outcomes=dict(tool_sim.outcomes))
+
+
+def _clean(message: dict) -> dict:
+    """An assistant message with only the fields the chat format knows (content as a string)."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"id": c.get("id", ""), "type": "function",
+                              "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
+                             for c in message["tool_calls"]]
+    return out

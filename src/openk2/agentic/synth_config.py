@@ -1,0 +1,119 @@
+"""`openk2 synth run` configuration: one TOML file, one section per pipeline stage (configs/synth-tiny.toml).
+
+Each section maps onto a keyword-only dataclass; an unknown key is a ValueError naming it. `base = "x.toml"`
+inheritance and `--set section.key=value` overrides work as for training runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openk2.agentic.domains import SEED_CATEGORIES
+from openk2.agentic.simulate import FaultConfig
+
+
+@dataclass(kw_only=True)
+class ModelsSection:
+    """ChatModel specs (`hf:smollm2`, `local:DIR`, `openai:URL#MODEL`) per role; one load per distinct spec."""
+
+    generator: str = "hf:smollm2"  # domains, tools, agent prompts, tasks
+    agent: str = "hf:smollm2"  # the model whose trajectories become SFT data (a strong one in real use)
+    user: str = "hf:smollm2"  # user simulator
+    tool_simulator: str = "hf:smollm2"  # "" = no model: tool results come from the seeded schema faker
+    judge: str = "hf:smollm2"
+    temperature: float = 0.7
+    max_tokens: int = 512
+    judge_temperature: float = 0.0
+
+
+@dataclass(kw_only=True)
+class ToolsSection:
+    mcp_servers: list[str] = field(default_factory=lambda: ["python -m mcp_server_time --local-timezone UTC"])
+    real_execution: list[str] = field(default_factory=lambda: ["mcp-server-time"])  # servers safe to run for real
+    categories: list[str] = field(default_factory=lambda: list(SEED_CATEGORIES[:3]))
+    domains_per_category: int = 2
+    tools_per_domain: int = 3
+    dedup_threshold: float = 0.85  # cosine similarity at which a synthetic tool counts as a duplicate
+    embedding_dedup: bool = True  # False: dedup by name only (no MiniLM)
+
+
+@dataclass(kw_only=True)
+class AgentsSection:
+    num_agents: int = 4
+    tools_per_agent: int = 3
+    tasks_per_agent: int = 2
+
+
+@dataclass(kw_only=True)
+class SimulateSection:
+    trajectories_per_task: int = 1
+    max_user_turns: int = 2
+    max_agent_steps: int = 6
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+
+@dataclass(kw_only=True)
+class RunSection:
+    seed: int = 0
+    concurrency: int = 8  # model calls in flight at once, over all roles
+    json_attempts: int = 3  # tries per structured-output request
+
+
+@dataclass(kw_only=True)
+class SynthConfig:
+    models: ModelsSection = field(default_factory=ModelsSection)
+    tools: ToolsSection = field(default_factory=ToolsSection)
+    agents: AgentsSection = field(default_factory=AgentsSection)
+    simulate: SimulateSection = field(default_factory=SimulateSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def __post_init__(self) -> None:
+        positive = {"agents.num_agents": self.agents.num_agents, "agents.tools_per_agent": self.agents.tools_per_agent,
+                    "agents.tasks_per_agent": self.agents.tasks_per_agent, "run.concurrency": self.run.concurrency,
+                    "run.json_attempts": self.run.json_attempts, "models.max_tokens": self.models.max_tokens,
+                    "simulate.trajectories_per_task": self.simulate.trajectories_per_task,
+                    "simulate.max_user_turns": self.simulate.max_user_turns,
+                    "simulate.max_agent_steps": self.simulate.max_agent_steps}
+        for key, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        if not 0.0 < self.tools.dedup_threshold <= 1.0:
+            raise ValueError(f"tools.dedup_threshold must be in (0, 1], got {self.tools.dedup_threshold}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SynthConfig:
+        raw = dict(raw)
+        sections = {"models": ModelsSection, "tools": ToolsSection, "agents": AgentsSection, "run": RunSection}
+        unknown = sorted(set(raw) - set(sections) - {"simulate"})
+        if unknown:
+            raise ValueError(f"unknown section(s) in synth config: {', '.join(unknown)} "
+                             f"(known: {', '.join([*sections, 'simulate'])})")
+        built = {name: _build(cls_, name, raw.get(name, {})) for name, cls_ in sections.items()}
+        sim = dict(raw.get("simulate", {}))
+        faults = _build(FaultConfig, "simulate.faults", sim.pop("faults", {}))
+        built["simulate"] = _build(SimulateSection, "simulate", {**sim, "faults": faults})
+        return cls(**built)
+
+
+def _build(cls, section: str, values: Any):
+    if not isinstance(values, dict):
+        raise ValueError(f"[{section}] must be a table")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) in [{section}]: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return cls(**values)
+
+
+def load_synth_config(path: str | Path | None, overrides: list[str] | None = None) -> SynthConfig:
+    """Read a synth TOML config (defaults when `path` is None) and apply `section.key=value` overrides."""
+    from openk2.train.config import apply_overrides, read_toml
+
+    raw = read_toml(path) if path is not None else {}
+    return SynthConfig.from_dict(apply_overrides(raw, overrides or []))

@@ -1,0 +1,80 @@
+"""The user simulator (report 3.1.1: "LLM-generated personas with distinct styles engaging in multi-turn
+dialogue"): a model plays a user who wants a task done, speaking in a persona's style.
+
+The simulator sees the conversation from the user's side (the agent's turns arrive as the other party's
+messages; tool traffic is hidden, as a real user would not see it) and either writes the next user message or
+ends the dialogue with `END_TOKEN` once the goal is met or hopeless.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from openk2.llm.base import ChatModel
+
+END_TOKEN = "[END]"
+
+
+@dataclass(frozen=True)
+class Persona:
+    name: str
+    style: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PERSONAS = (
+    Persona("terse professional", "writes short, direct messages without pleasantries"),
+    Persona("chatty novice", "is friendly, over-explains, is unsure of technical terms"),
+    Persona("impatient manager", "wants results fast and pushes back on questions"),
+    Persona("meticulous analyst", "gives exact numbers and asks for verification of every step"),
+    Persona("non-native speaker", "writes simple, sometimes ungrammatical English"),
+    Persona("indecisive customer", "changes one detail of the request midway through"),
+)
+
+
+def pick_persona(seed: int, episode_id: str, personas: Sequence[Persona] = PERSONAS) -> Persona:
+    """The persona for an episode, deterministic in (seed, episode id)."""
+    return random.Random(f"{seed}:persona:{episode_id}").choice(list(personas))
+
+
+class UserSimulator:
+    """`await next_message(conversation)` -> the user's next message, or None when the user is done."""
+
+    def __init__(self, model: ChatModel, persona: Persona, goal: str, **sampling: Any) -> None:
+        self.model = model
+        self.persona = persona
+        self.goal = goal
+        self.sampling = sampling
+
+    def _system(self) -> str:
+        return (f"You are role-playing a user of an AI assistant. Persona: {self.persona.name}; style: "
+                f"{self.persona.style}.\nYour goal: {self.goal}\nWrite only your next message to the assistant, in "
+                "character, revealing details as a real user would. When the goal is achieved (or the assistant "
+                f"clearly cannot achieve it), reply with exactly {END_TOKEN}.")
+
+    def _view(self, conversation: Sequence[dict]) -> list[dict]:
+        """The dialogue with roles swapped (the simulator is the 'assistant' writing user turns)."""
+        view = [{"role": "system", "content": self._system()}]
+        for msg in conversation:
+            if msg["role"] == "user":
+                view.append({"role": "assistant", "content": msg.get("content") or ""})
+            elif msg["role"] == "assistant" and msg.get("content"):
+                view.append({"role": "user", "content": msg["content"]})
+        if len(view) == 1:
+            view.append({"role": "user", "content": "(The assistant is waiting. Write your first message.)"})
+        elif view[-1]["role"] == "assistant":  # our own turn last: ask for the follow-up explicitly
+            view.append({"role": "user", "content": "(No reply yet. Continue or end.)"})
+        return view
+
+    async def next_message(self, conversation: Sequence[dict]) -> str | None:
+        """The next user turn, or None if the user ends the dialogue (or the model returns nothing)."""
+        reply = (await self.model.achat(self._view(conversation), **self.sampling))[0].content or ""
+        text = reply.strip()
+        if not text or text.startswith(END_TOKEN) or text == END_TOKEN.strip("[]"):
+            return None
+        return text.replace(END_TOKEN, "").strip() or None
