@@ -15,6 +15,15 @@ from openk2.model.layers import RMSNorm
 from openk2.model.rope import apply_rope, softmax_scale
 
 
+def segment_causal_mask(segment_ids_BT: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool attention mask (True = may attend): causal, and only within a token's own segment,
+    so documents packed into one row do not see each other."""
+    t = segment_ids_BT.shape[1]
+    causal_TT = torch.ones(t, t, dtype=torch.bool, device=segment_ids_BT.device).tril()
+    same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+    return (same_BTT & causal_TT).unsqueeze(1)
+
+
 class MLAttention(nn.Module):
     """q = q_b(norm(q_a(x))) (or q_proj(x)); latent c = norm(kv_a(x)[:C]), shared rope key k^R = kv_a(x)[C:];
     per-head [k^C, v] = kv_b(c); logits = (q^C.k^C + q^R.k^R) * softmax_scale."""

@@ -84,6 +84,12 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.use_grouped_mm = hasattr(F, "grouped_mm")
 
+    def swiglu(self, x_MD: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (offsets [E] int32 = cumulative row ends) through their experts' SwiGLU."""
+        gate = grouped_linear(x_MD, self.gate_proj, offsets, self.use_grouped_mm)
+        up = grouped_linear(x_MD, self.up_proj, offsets, self.use_grouped_mm)
+        return grouped_linear(F.silu(gate) * up, self.down_proj, offsets, self.use_grouped_mm)
+
     def forward(self, x_ND: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the combined expert output [N, D] and tokens per expert [E]."""
         n, k = routing.indices_NK.shape
@@ -94,9 +100,7 @@ class RoutedExperts(nn.Module):
         offsets = counts_E.cumsum(0).to(torch.int32)
         dtype = torch.get_autocast_dtype(x_ND.device.type) if torch.is_autocast_enabled() else x_ND.dtype
         x_MD = x_ND[token_of_row].to(dtype)
-        gate = grouped_linear(x_MD, self.gate_proj, offsets, self.use_grouped_mm)
-        up = grouped_linear(x_MD, self.up_proj, offsets, self.use_grouped_mm)
-        y_MD = grouped_linear(F.silu(gate) * up, self.down_proj, offsets, self.use_grouped_mm)
+        y_MD = self.swiglu(x_MD, offsets)
         y_MD = y_MD * routing.weights_NK.reshape(-1)[order, None].to(y_MD.dtype)
         out = torch.zeros(n, y_MD.shape[-1], dtype=y_MD.dtype, device=y_MD.device)
         return out.index_add_(0, token_of_row, y_MD), counts_E

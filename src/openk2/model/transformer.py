@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk2.config import ModelConfig
-from openk2.model.attention import MLAttention
+from openk2.model.attention import MLAttention, segment_causal_mask
 from openk2.model.layers import MLP, RMSNorm
 from openk2.model.moe import MoE
 from openk2.model.rope import RotaryEmbedding
@@ -100,8 +100,17 @@ class K2ForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
-        """input_ids [B, T]; labels [B, T] aligned with input_ids (HF style: shifted here, -100 ignored)."""
+        """input_ids [B, T]; labels [B, T] aligned with input_ids (HF style: shifted here, -100 ignored).
+
+        `segment_ids` [B, T] (packed rows, e.g. SFT conversations) keeps attention causal and inside each
+        segment (tokens sharing an id); pass `position_ids` restarting at 0 per segment with it.
+        """
+        if segment_ids is not None:
+            if attn_mask is not None:
+                raise ValueError("pass either attn_mask or segment_ids, not both")
+            attn_mask = segment_causal_mask(segment_ids)
         moe_layers = self.moe_layers()
         for moe in moe_layers:
             moe.tokens_per_expert.zero_()

@@ -14,6 +14,8 @@ from typing import Any
 from openk2.config import ModelConfig
 from openk2.data.corpus import CorpusConfig
 from openk2.optim.schedule import WSDConfig
+from openk2.train.memory import MemorySection
+from openk2.train.parallel.config import ParallelConfig
 
 PRECISIONS = ("auto", "fp32", "bf16")
 BAD_STEP_POLICIES = ("skip", "stop")
@@ -121,12 +123,15 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torchrun layout: pp x dp x ep ranks
+    memory: MemorySection = field(default_factory=MemorySection)  # recompute / FP8 activations / CPU offload
+    sft: Any = None  # openk2.train.sft.SFTSection: the [sft] table of `openk2 sft` runs
     out_dir: str = "runs/tiny"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
         raw = dict(raw)
-        sections = {"model", "tokenizer", "data", "optim", "schedule", "train", "out_dir"}
+        sections = {"model", "tokenizer", "data", "optim", "schedule", "train", "parallel", "memory", "sft", "out_dir"}
         unknown = sorted(set(raw) - sections)
         if unknown:
             raise ValueError(f"unknown section(s): {', '.join(unknown)} (known: {', '.join(sorted(sections))})")
@@ -139,6 +144,9 @@ class RunConfig:
             optim=_build(OptimSection, "optim", raw.get("optim", {})),
             schedule=_build(ScheduleSection, "schedule", raw.get("schedule", {})),
             train=_build(TrainSection, "train", raw.get("train", {})),
+            parallel=_build(ParallelConfig, "parallel", raw.get("parallel", {})),
+            memory=_build(MemorySection, "memory", raw.get("memory", {})),
+            sft=_sft_section(raw["sft"]) if "sft" in raw else None,
             out_dir=raw.get("out_dir", "runs/tiny"),
         )
 
@@ -147,8 +155,16 @@ class RunConfig:
             "model": dataclasses.asdict(self.model), "tokenizer": dataclasses.asdict(self.tokenizer),
             "data": self.data.to_dict(), "optim": dataclasses.asdict(self.optim),
             "schedule": dataclasses.asdict(self.schedule), "train": dataclasses.asdict(self.train),
+            "parallel": dataclasses.asdict(self.parallel), "memory": dataclasses.asdict(self.memory),
+            **({"sft": dataclasses.asdict(self.sft)} if self.sft is not None else {}),
             "out_dir": self.out_dir,
         }
+
+
+def _sft_section(values: dict[str, Any]):
+    from openk2.train.sft import SFTSection  # imported here: sft.py builds on the trainer, which imports this
+
+    return _build(SFTSection, "sft", values)
 
 
 def _parse_value(text: str) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from openk2.train.config import load_run_config
@@ -21,12 +22,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from openk2.train.trainer import BadStepError, Trainer
 
-    trainer = Trainer(cfg, out_dir=args.out, resume=args.resume)
+    trainer_cls = Trainer
+    if cfg.parallel.enabled or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by torchrun
+        from openk2.train.parallel.trainer import ParallelTrainer as trainer_cls
+    trainer = trainer_cls(cfg, out_dir=args.out, resume=args.resume)
     try:
         summary = trainer.run(max_steps=args.max_steps)
     except BadStepError as err:
         print(f"openk2 pretrain: {err}", file=sys.stderr)
         return 1
+    if not trainer.is_main:  # rank 0 reports for the whole job
+        return 0
     print(f"\nrun directory: {summary.out_dir}")
     print(f"  step {summary.step}, {summary.tokens_per_s:,.0f} tokens/s (last window)")
     if summary.val_loss is not None:

@@ -25,6 +25,7 @@ from openk2.optim.schedule import wsd_lr
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import RunConfig
 from openk2.train.flops import measure_matmul_peak, training_flops_per_token
+from openk2.train.memory import apply_memory_options
 from openk2.train.metrics import MetricsLogger, plot_run
 from openk2.train.setup import prepare_tokenizer, resolve_device, resolve_precision
 
@@ -67,22 +68,17 @@ class Trainer:
 
         _seed_everything(tc.seed)
         self.tokenizer = prepare_tokenizer(cfg, self.out_dir, resume_from)
-        self.model = K2ForCausalLM(cfg.model).to(self.device)
-        ns_dtype = getattr(torch, cfg.optim.ns_dtype)
-        self.optimizer = MuonClip(
-            self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-            tau=cfg.optim.qk_clip_tau if cfg.optim.qk_clip_tau > 0 else None, momentum=cfg.optim.momentum,
-            nesterov=cfg.optim.nesterov, ns_steps=cfg.optim.ns_steps, rms_scale=cfg.optim.rms_scale,
-            ns_dtype=ns_dtype, use_muon=cfg.optim.optimizer == "muon",
-        )
+        self.model = self._build_model().to(self.device)
+        self.memory = apply_memory_options(self.model, cfg.memory)  # [memory]: recompute, FP8 saves, offload
+        self.optimizer = self._build_optimizer()
         self.schedule = cfg.schedule.build(tc.steps, cfg.optim.lr)
-        self.train_loader = PackedLoader(cfg.data, self.tokenizer, tc.batch_size, split="train")
+        self.train_loader = self._build_train_loader()
         self.step = 0
         self.tokens_seen = 0
         self.loss_ema: float | None = None
         if resume_from is not None:
             self._load_checkpoint(resume_from)
-        self.unigram = unigram_baseline(self.train_loader)
+        self.unigram = self._unigram_baseline()
         self.flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops = measure_matmul_peak(self.autocast_dtype or torch.float32, self.device)
         self._stop_requested = False
@@ -94,16 +90,14 @@ class Trainer:
         """Train until `train.steps` (or `max_steps`), checkpointing on the way and whenever the run stops."""
         tc = self.cfg.train
         stop_at = min(tc.steps, max_steps) if max_steps else tc.steps
-        # Records past the current step belong to a run that died after its last checkpoint: dropped.
-        self.metrics = MetricsLogger(self.out_dir, resume_step=self.step if self.step else None,
-                                     tensorboard=tc.tensorboard)
+        self.metrics = self._open_metrics()
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         window_loss, window_tokens, window_start = [], 0, time.perf_counter()
         tokens_per_s, val_loss, last_ckpt = 0.0, None, None
         bar = tqdm(total=stop_at, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True,
-                   disable=None)
+                   disable=None if self.is_main else True)
         try:
-            while self.step < stop_at and not self._stop_requested:
+            while self.step < stop_at and not self._should_stop():
                 record = self._train_step()
                 bar.update(1)
                 if record.get("skipped"):
@@ -136,7 +130,7 @@ class Trainer:
             self.metrics.close()
         if self._stop_requested:
             print(f"stopped at step {self.step} on request; checkpoint {last_ckpt}", file=sys.stderr)
-        plots = plot_run(self.out_dir)
+        plots = plot_run(self.out_dir) if self.is_main else []
         return RunSummary(self.out_dir, self.step, last_ckpt, val_loss, self.unigram, tokens_per_s, plots)
 
     def _train_step(self) -> dict:
@@ -154,18 +148,8 @@ class Trainer:
         lr = wsd_lr(self.step, self.schedule)
         self.optimizer.set_lr(lr)
         self.model.train()
-        losses, counts, tokens = [], None, 0
-        for _ in range(tc.grad_accum):
-            batch = next(self.train_loader)
-            ids, labels = batch["input_ids"].to(self.device), batch["labels"].to(self.device)
-            with self._autocast():
-                out = self.model(ids, labels=labels)
-            (out.loss / tc.grad_accum).backward()
-            losses.append(out.loss.item())
-            counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
-            tokens += ids.numel()
+        loss, counts, tokens = self._forward_backward()
         self.step += 1
-        loss = float(np.mean(losses))
         problem = self._bad_loss(loss)
         grad_norm = self._clip_gradients() if problem is None else float("nan")
         if problem is None and not math.isfinite(grad_norm):
@@ -189,6 +173,20 @@ class Trainer:
                 "qk_clip_tau": self.optimizer.tau or float("nan"), "expert_load": load,
                 "expert_imbalance": [max(row) * len(row) for row in load]}
 
+    def _forward_backward(self) -> tuple[float, torch.Tensor | None, int]:
+        """Accumulate one step's gradients; returns the mean loss, tokens per expert [MoE layers, E], tokens."""
+        accum = self.cfg.train.grad_accum
+        losses, counts, tokens = [], None, 0
+        for _ in range(accum):
+            batch = next(self.train_loader)
+            with self._autocast():
+                out = self._forward(batch)
+            (out.loss / accum).backward()
+            losses.append(out.loss.item())
+            counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
+            tokens += batch["input_ids"].numel()
+        return float(np.mean(losses)), counts, tokens
+
     def _bad_loss(self, loss: float) -> str | None:
         if not math.isfinite(loss):
             return f"non-finite loss ({loss})"
@@ -209,6 +207,38 @@ class Trainer:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    # Hooks a fine-tuning run overrides (openk2.train.sft): the initial model, the data and the forward call.
+    def _build_model(self) -> K2ForCausalLM:
+        return K2ForCausalLM(self.cfg.model)
+
+    # Hooks a parallel run overrides (openk2.train.parallel): optimizer, metrics, stopping together.
+    is_main = True  # this process logs, plots and writes the model
+
+    def _build_optimizer(self) -> MuonClip:
+        o = self.cfg.optim
+        return MuonClip(
+            self.model, lr=o.lr, weight_decay=o.weight_decay, tau=o.qk_clip_tau if o.qk_clip_tau > 0 else None,
+            momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps, rms_scale=o.rms_scale,
+            ns_dtype=getattr(torch, o.ns_dtype), use_muon=o.optimizer == "muon",
+        )
+
+    def _open_metrics(self) -> MetricsLogger:
+        # Records past the current step belong to a run that died after its last checkpoint: dropped.
+        return MetricsLogger(self.out_dir, resume_step=self.step if self.step else None,
+                             tensorboard=self.cfg.train.tensorboard)
+
+    def _should_stop(self) -> bool:
+        return self._stop_requested
+
+    def _build_train_loader(self) -> PackedLoader:
+        return PackedLoader(self.cfg.data, self.tokenizer, self.cfg.train.batch_size, split="train")
+
+    def _unigram_baseline(self) -> float:
+        return unigram_baseline(self.train_loader)
+
+    def _forward(self, batch: dict[str, torch.Tensor]):
+        return self.model(batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device))
+
     def _val_loader(self) -> PackedLoader:
         return PackedLoader(self.cfg.data, self.tokenizer, self.cfg.train.batch_size, split="val", loop=False)
 
@@ -222,7 +252,7 @@ class Trainer:
             if i == self.cfg.train.eval_batches:
                 break
             with self._autocast():
-                out = self.model(batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device))
+                out = self._forward(batch)
             n = int((batch["labels"][:, 1:] != -100).sum())
             total, count = total + out.loss.item() * n, count + n
         self.model.track_max_logits(True)

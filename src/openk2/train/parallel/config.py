@@ -1,0 +1,60 @@
+"""The `[parallel]` run-config section: how many ranks go to data, expert and pipeline parallelism.
+
+World layout (K2 report, section 2.4): world = pp x dp x ep. The pp x ep ranks of one data-parallel
+replica form the model-parallel group (256 GPUs for K2: 16 PP x 16 EP); each EP rank reads its own
+tokens, so dense weights are data-parallel over dp x ep ranks and routed experts over dp ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Schedule names accepted by `parallel.pp_schedule` -> torch.distributed.pipelining class names.
+PP_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv_zero_bubble": "ScheduleZBVZeroBubble",
+}
+# Schedules that drive one stage per rank; the others drive pp_virtual_stages stages per rank.
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    dp: int = 1  # data-parallel replicas (ZeRO-1: optimizer state sharded over them)
+    ep: int = 1  # expert-parallel ranks; routed experts are split evenly over them
+    pp: int = 1  # pipeline stages ranks (each rank holds pp_virtual_stages stages)
+    pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules); K2 uses > 1
+    pp_schedule: str = "interleaved_1f1b"  # one of PP_SCHEDULES; micro-batches per step = train.grad_accum
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "ep", "pp", "pp_virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be at least 1, got {getattr(self, name)}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"parallel.pp_schedule must be one of {sorted(PP_SCHEDULES)}, got {self.pp_schedule!r}")
+        if self.pp_schedule in SINGLE_STAGE_SCHEDULES and self.pp_virtual_stages != 1:
+            raise ValueError(f"parallel.pp_schedule={self.pp_schedule} runs one stage per rank; "
+                             f"set pp_virtual_stages=1 or pick an interleaved schedule")
+        if self.pp_schedule == "zbv_zero_bubble" and self.pp_virtual_stages != 2:
+            raise ValueError("parallel.pp_schedule=zbv_zero_bubble needs exactly pp_virtual_stages=2 (V shape)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"parallel.backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.ep
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all (each rank holds pp_virtual_stages of them)."""
+        return self.pp * self.pp_virtual_stages
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
