@@ -1,0 +1,172 @@
+"""RL run configuration: one TOML file (`configs/rl-tiny.toml`), one section per component, `--set` overrides.
+
+Sections: [model] (preset + overrides, or `checkpoint` to start from a saved policy), [warmup] (the short
+supervised warm-up that teaches the answer format), [task], [rollout], [loss], [optim], [train].
+Unknown keys are a ValueError, as in the pre-training config (whose readers this reuses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openk2.config import ModelConfig
+from openk2.train.config import _build, apply_overrides, read_toml
+
+TEMPERATURE_SCHEDULES = ("linear", "cosine", "exponential")
+
+
+@dataclass(kw_only=True)
+class WarmupSection:
+    """Supervised warm-up on generated, worked solutions in the task's prompt/answer format."""
+
+    steps: int = 300  # optimizer steps; 0 skips the warm-up (the policy then starts untrained)
+    batch_size: int = 32
+    lr: float = 3e-3
+    tokenizer_examples: int = 4000  # worked examples the BPE tokenizer is trained on
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
+            raise ValueError("warmup.steps must be >= 0, warmup.batch_size >= 1 and warmup.lr > 0")
+
+
+@dataclass(kw_only=True)
+class TaskSection:
+    name: str = "arithmetic"  # an openk2.rl.tasks name
+    difficulties: list[int] = field(default_factory=lambda: [1, 2, 3])  # levels problems are drawn from
+    eval_problems: int = 128  # held-out problems (their expressions never appear in warm-up or RL prompts)
+
+    def __post_init__(self) -> None:
+        if not self.difficulties:
+            raise ValueError("task.difficulties must name at least one level")
+        if self.eval_problems < 1:
+            raise ValueError(f"task.eval_problems must be >= 1, got {self.eval_problems}")
+
+
+@dataclass(kw_only=True)
+class RolloutSection:
+    prompts_per_iteration: int = 16  # new groups started each iteration
+    samples_per_prompt: int = 8  # K in the K1.5 objective
+    max_tokens: int = 0  # a response's budget; 0: the task's own max_tokens
+    segment_tokens: int = 0  # partial rollout: new tokens per trajectory per iteration before pausing; 0: off
+    max_batch_size: int = 128  # samples decoded together (concurrent rollouts)
+    temperature: float = 1.0  # start of the temperature-decay schedule
+    final_temperature: float = 1.0  # end of it (equal to `temperature`: no decay)
+    temperature_decay_iterations: int = 1
+    temperature_schedule: str = "cosine"
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_iteration", "samples_per_prompt", "max_batch_size", "temperature_decay_iterations"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
+        if self.samples_per_prompt < 2:
+            raise ValueError("rollout.samples_per_prompt must be >= 2 (rewards are centred within a group)")
+        if self.max_tokens < 0 or self.segment_tokens < 0:
+            raise ValueError("rollout.max_tokens and rollout.segment_tokens must be >= 0")
+        if self.temperature_schedule not in TEMPERATURE_SCHEDULES:
+            raise ValueError(f"rollout.temperature_schedule must be one of {TEMPERATURE_SCHEDULES}")
+        if self.temperature <= 0 or self.final_temperature <= 0:
+            raise ValueError("rollout temperatures must be > 0")
+
+
+@dataclass(kw_only=True)
+class LossSection:
+    name: str = "k15"  # an openk2.rl.loss policy loss: k15 or grpo
+    tau: float = 1.0  # K1.5: weight of log(pi / pi_old) in the squared residual
+    clip_eps: float = 0.2  # GRPO only
+    budget_penalty: float = 0.5  # subtracted from the reward of responses truncated at max_tokens
+    ptx_weight: float = 0.0  # weight of the PTX (warm-up data) language-model loss; 0: off
+
+    def __post_init__(self) -> None:
+        if self.tau <= 0:
+            raise ValueError(f"loss.tau must be > 0, got {self.tau}")
+
+
+@dataclass(kw_only=True)
+class OptimSection:
+    optimizer: str = "muon"  # muon: MuonClip (as K2 trains RL with Muon); adamw: AdamW everywhere
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # <= 0: off
+    qk_clip_tau: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("muon", "adamw"):
+            raise ValueError(f"optim.optimizer must be muon or adamw, got {self.optimizer!r}")
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    iterations: int = 40
+    updates_per_iteration: int = 1  # optimizer steps on each iteration's completed groups (mini-batches)
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    sync_bucket_mb: int = 16  # checkpoint-engine bucket size for the trainer -> inference weight update
+
+    def __post_init__(self) -> None:
+        for name in ("iterations", "updates_per_iteration", "eval_every", "checkpoint_every", "keep_checkpoints",
+                     "sync_bucket_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    model: ModelConfig
+    checkpoint: str | None = None  # start from this HF-layout policy (with its tokenizer) instead of a warm-up
+    warmup: WarmupSection = field(default_factory=WarmupSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    loss: LossSection = field(default_factory=LossSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    out_dir: str = "runs/rl-tiny"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RLConfig:
+        raw = dict(raw)
+        sections = {"model", "warmup", "task", "rollout", "loss", "optim", "train", "out_dir"}
+        unknown = sorted(set(raw) - sections)
+        if unknown:
+            raise ValueError(f"unknown section(s): {', '.join(unknown)} (known: {', '.join(sorted(sections))})")
+        model = dict(raw.get("model", {}))
+        preset = model.pop("preset", "tiny")
+        checkpoint = model.pop("checkpoint", None)
+        if checkpoint is not None:
+            if model:
+                raise ValueError("[model] checkpoint takes the shapes from the checkpoint; drop the other keys")
+            model_cfg = ModelConfig.from_hf(checkpoint)
+        else:
+            model_cfg = ModelConfig.preset(preset).replace(**model) if model else ModelConfig.preset(preset)
+        return cls(
+            model=model_cfg, checkpoint=checkpoint,
+            warmup=_build(WarmupSection, "warmup", raw.get("warmup", {})),
+            task=_build(TaskSection, "task", raw.get("task", {})),
+            rollout=_build(RolloutSection, "rollout", raw.get("rollout", {})),
+            loss=_build(LossSection, "loss", raw.get("loss", {})),
+            optim=_build(OptimSection, "optim", raw.get("optim", {})),
+            train=_build(TrainSection, "train", raw.get("train", {})),
+            out_dir=raw.get("out_dir", "runs/rl-tiny"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {name: dataclasses.asdict(getattr(self, name))
+               for name in ("model", "warmup", "task", "rollout", "loss", "optim", "train")}
+        out.update(checkpoint=self.checkpoint, out_dir=self.out_dir)
+        return out
+
+
+def load_rl_config(path: str | Path | None, overrides: list[str] | None = None) -> RLConfig:
+    """Read an RL TOML config (defaults when `path` is None; `base = "..."` inherits) and apply overrides."""
+    raw = read_toml(path) if path is not None else {}
+    return RLConfig.from_dict(apply_overrides(raw, overrides or []))
+
+
+__all__ = ["RLConfig", "load_rl_config"]

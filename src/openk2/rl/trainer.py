@@ -1,0 +1,379 @@
+"""The colocated RL loop (K2 report 3.2.2 and 4.2): a controller alternates rollout -> rewards -> training ->
+weight sync on one machine, each engine holding memory only while it runs.
+
+One iteration:
+
+1. rollout: the inference engine (its own copy of the weights, its KV cache allocated for this phase only)
+   resumes the groups paused last iteration and starts `prompts_per_iteration` new ones, K samples each, at the
+   decayed temperature; trajectories past `segment_tokens` new tokens are paused (partial rollout);
+2. rewards: the task verifies every response of each completed group; truncated responses lose
+   `budget_penalty` (budget control);
+3. training: `updates_per_iteration` steps of the K1.5 loss (or GRPO) with MuonClip on the completed groups,
+   pi_old being each token's sampling log-prob, plus the optional PTX loss on warm-up data;
+4. weight sync: the checkpoint engine's bucketed copy moves the new weights into the inference copy.
+
+Engine switching on a GPU would also offload the training engine's parameters and optimizer state to host
+memory during step 1 (an H2D copy brings them back) and free the KV cache before step 3; on CPU both engines
+share host memory, so only the KV cache is released (see docs/rl.md).
+
+Checkpoints (`out_dir/checkpoints/step-N`) hold the policy in HF layout (so `openk2 serve` and `local:` load
+them), its tokenizer, the optimizer, the paused groups and the RNG states; `--resume` continues from the newest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from openk2.data.tokenizer import K2Tokenizer
+from openk2.infer.chat import IM_END
+from openk2.infer.engine import Engine
+from openk2.infer.sampling import SamplingParams
+from openk2.model import K2ForCausalLM
+from openk2.optim.muonclip import MuonClip
+from openk2.rl import tasks
+from openk2.rl.ckpt_engine import sync_in_process
+from openk2.rl.config import RLConfig, load_rl_config
+from openk2.rl.loss import budget_penalty, decayed_temperature, get_loss, ptx_loss
+from openk2.rl.rollout import Group, PartialRollout, new_group
+from openk2.rl.warmup import encode_prompt, problems, run_warmup, sft_batch
+from openk2.train.checkpoint import CheckpointManager
+from openk2.train.metrics import MetricsLogger, read_metrics
+
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "rl_state.json"
+RNG_FILE = "rng.pt"
+CURVES_FILE = "rl_curves.png"
+
+
+@dataclass
+class RLSummary:
+    out_dir: Path
+    iteration: int
+    checkpoint: Path | None
+    first_eval: dict | None
+    last_eval: dict | None
+    plot: Path | None
+
+
+class RLTrainer:
+    """Owns the policy, the inference copy, the optimizer and the rollout state of one RL run."""
+
+    def __init__(self, cfg: RLConfig, out_dir: str | Path | None = None, resume: bool = False) -> None:
+        self.cfg = cfg
+        self.out_dir = Path(out_dir or cfg.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        seed = cfg.train.seed
+        _seed_everything(seed)
+        self.task = tasks.get(cfg.task.name)
+        self.eval_problems = _held_out(self.task, cfg.task.difficulties, cfg.task.eval_problems, seed)
+        self.exclude = {p.prompt for p in self.eval_problems}
+        self.ckpts = CheckpointManager(self.out_dir / "checkpoints", keep_last=cfg.train.keep_checkpoints)
+        resume_from = self.ckpts.latest() if resume else None
+        if resume and resume_from is None:
+            print(f"note: no complete checkpoint in {self.ckpts.root}; starting from scratch", file=sys.stderr)
+        if resume_from is not None or cfg.checkpoint is not None:
+            source = resume_from or Path(cfg.checkpoint)
+            self.policy = K2ForCausalLM.from_pretrained(source, dtype=torch.float32)
+            self.tokenizer = K2Tokenizer.load(source)
+        else:
+            self.policy, self.tokenizer = run_warmup(cfg, self.task, self.out_dir, self.exclude)
+        self.inference = copy.deepcopy(self.policy).eval()  # the rollout engine's weights (decoupled copy)
+        self.inference.track_max_logits(False)
+        self.optimizer = MuonClip(self.policy, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                  tau=cfg.optim.qk_clip_tau, use_muon=cfg.optim.optimizer == "muon")
+        self.im_end = self.tokenizer.special_ids[IM_END]
+        self.max_tokens = cfg.rollout.max_tokens or self.task.max_tokens
+        self.rollout = PartialRollout(max_tokens=self.max_tokens, segment_tokens=cfg.rollout.segment_tokens or None,
+                                      max_batch_size=cfg.rollout.max_batch_size, stop_token_ids=[self.im_end],
+                                      seed=seed)
+        self.loss_fn = get_loss(cfg.loss.name)
+        self.ptx_stream = problems(self.task, cfg.task.difficulties, seed + 3, self.exclude)
+        self.iteration = 0
+        self.next_group = 0
+        if resume_from is not None:
+            self._load_state(resume_from)
+        (self.out_dir / "rl_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def run(self, max_iterations: int | None = None) -> RLSummary:
+        """Iterate until `train.iterations` (or `max_iterations` more), evaluating and checkpointing on the way."""
+        tc = self.cfg.train
+        stop_at = tc.iterations if max_iterations is None else min(tc.iterations, self.iteration + max_iterations)
+        metrics = MetricsLogger(self.out_dir, resume_step=self.iteration if self.iteration else None)
+        last_ckpt = None
+        try:
+            if self.iteration == 0:
+                metrics.log({"step": 0, **self.evaluate()})
+            bar = tqdm(total=stop_at, initial=self.iteration, desc="rl", unit="iter", dynamic_ncols=True,
+                       disable=None)
+            while self.iteration < stop_at:
+                record = self.iterate()
+                if self.iteration % tc.eval_every == 0 or self.iteration == stop_at:
+                    record.update(self.evaluate())
+                metrics.log(record)
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward_mean']:.2f}")
+                if self.iteration % tc.checkpoint_every == 0 or self.iteration == stop_at:
+                    last_ckpt = self.save_checkpoint()
+            bar.close()
+        finally:
+            metrics.close()
+        evals = [r for r in read_metrics(self.out_dir) if "eval_reward" in r]
+        plot = plot_rl_curves(self.out_dir)
+        return RLSummary(self.out_dir, self.iteration, last_ckpt, evals[0] if evals else None,
+                         evals[-1] if evals else None, plot)
+
+    def iterate(self) -> dict:
+        """One rollout -> rewards -> training -> weight-sync iteration; returns its metrics record."""
+        rc = self.cfg.rollout
+        temperature = decayed_temperature(self.iteration, rc.temperature, rc.final_temperature,
+                                          rc.temperature_decay_iterations, rc.temperature_schedule)
+        fresh = [self._new_group() for _ in range(rc.prompts_per_iteration)]
+        start = time.perf_counter()
+        done, stats = self.rollout.run(self.inference, self.tokenizer, fresh, iteration=self.iteration,
+                                       version=self.iteration, temperature=temperature)
+        rollout_s = time.perf_counter() - start
+        record = {"temperature": temperature, "new_tokens": stats.new_tokens, "paused": stats.paused,
+                  "resumed": stats.resumed, "groups_trained": len(done), "rollout_s": rollout_s}
+        self.iteration += 1
+        if done:
+            start = time.perf_counter()
+            record.update(self._train(done))
+            record["train_s"] = time.perf_counter() - start
+            sync = sync_in_process(self.policy.state_dict(), self.inference.state_dict(),
+                                   bucket_bytes=self.cfg.train.sync_bucket_mb << 20)
+            record.update(sync_s=sync.seconds, sync_gb_s=sync.gb_per_s)
+        else:
+            record.update(reward_mean=float("nan"))
+        return {"step": self.iteration, **record}
+
+    # ------------------------------------------------------------------------------------------ training
+    def _rewards(self, groups: list[Group]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Verified rewards [P, K], rewards after the budget penalty [P, K], response lengths [P, K]."""
+        raw, lengths = [], []
+        for g in groups:
+            raw.append([self.task.verify(g.problem, self._response_text(t.token_ids)) for t in g.trajectories])
+            lengths.append([len(t.token_ids) for t in g.trajectories])
+        raw_t, len_t = torch.tensor(raw), torch.tensor(lengths)
+        return raw_t, budget_penalty(raw_t, len_t, self.max_tokens, self.cfg.loss.budget_penalty), len_t
+
+    def _response_text(self, token_ids: list[int]) -> str:
+        ids = token_ids[:-1] if token_ids and token_ids[-1] == self.im_end else token_ids
+        return self.tokenizer.decode(ids)
+
+    def _train(self, groups: list[Group]) -> dict:
+        raw, rewards, lengths = self._rewards(groups)
+        trajectories = [t for g in groups for t in g.trajectories]
+        p, k = rewards.shape
+        logp_old = torch.tensor([t.logprob_old for t in trajectories]).view(p, k)
+        self.policy.train()
+        losses, entropy, grad_norm, clip = [], float("nan"), float("nan"), None
+        for update in range(self.cfg.train.updates_per_iteration):
+            logp_N, token_entropy = response_logprobs(self.policy, trajectories, self.tokenizer.pad_id)
+            if update == 0:
+                entropy = token_entropy
+            loss = self._policy_loss(logp_N.view(p, k), logp_old, rewards)
+            if self.cfg.loss.ptx_weight > 0:
+                ptx_ids, ptx_labels = sft_batch(self.tokenizer, [next(self.ptx_stream) for _ in range(p)])
+                loss = loss + ptx_loss(self.policy, ptx_ids, self.cfg.loss.ptx_weight, ptx_labels)
+            loss.backward()
+            grad_norm = self._clip_gradients()
+            clip = self.optimizer.step()
+            self.optimizer.zero_grad()
+            losses.append(loss.item())
+        return {"reward_mean": float(raw.mean()), "reward_penalised_mean": float(rewards.mean()),
+                "response_len": float(lengths.float().mean()),
+                "truncated": float((lengths >= self.max_tokens).float().mean()),
+                "entropy": entropy, "loss": float(np.mean(losses)), "grad_norm": grad_norm,
+                "max_logit": clip.max_logit if clip is not None else float("nan"),
+                "policy_lag": float(np.mean([self.iteration - 1 - min(t.versions) for t in trajectories]))}
+
+    def _policy_loss(self, logp: torch.Tensor, logp_old: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+        if self.cfg.loss.name == "k15":
+            return self.loss_fn(logp, logp_old, rewards, tau=self.cfg.loss.tau)
+        return self.loss_fn(logp, logp_old, rewards, clip_eps=self.cfg.loss.clip_eps)
+
+    def _clip_gradients(self) -> float:
+        params = [q for q in self.policy.parameters() if q.grad is not None]
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def _new_group(self) -> Group:
+        gid = self.next_group
+        self.next_group += 1
+        problem = next(problems(self.task, self.cfg.task.difficulties, hash((self.cfg.train.seed, gid)),
+                                self.exclude))
+        return new_group(gid, problem, encode_prompt(self.tokenizer, problem), self.cfg.rollout.samples_per_prompt,
+                         self.iteration)
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        """Mean verified reward on the held-out problems: greedy, and one sample at temperature 1."""
+        engine = Engine(self.inference, self.tokenizer, max_batch_size=self.cfg.rollout.max_batch_size,
+                        max_seq_len=max(len(encode_prompt(self.tokenizer, p)) for p in self.eval_problems)
+                        + self.max_tokens)
+        prompts = [encode_prompt(self.tokenizer, p) for p in self.eval_problems]
+        out = {}
+        for name, temperature in (("eval_reward", 0.0), ("eval_reward_sampled", 1.0)):
+            params = SamplingParams(max_tokens=self.max_tokens, temperature=temperature, seed=self.cfg.train.seed,
+                                    stop_token_ids=[self.im_end])
+            results = engine.generate(prompts, params)
+            scores = [self.task.verify(p, self._response_text(r.token_ids))
+                      for p, r in zip(self.eval_problems, results, strict=True)]
+            out[name] = float(np.mean(scores))
+            if temperature == 0.0:
+                out["eval_response_len"] = float(np.mean([len(r.token_ids) for r in results]))
+        return out
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Policy (HF layout) + tokenizer + optimizer + paused groups + counters + RNG, written atomically."""
+
+        def write(path: Path) -> None:
+            self.policy.save_pretrained(path)
+            self.tokenizer.save(path)
+            torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
+            torch.save(_rng_state(), path / RNG_FILE)
+            state = {"iteration": self.iteration, "next_group": self.next_group,
+                     "rollout": self.rollout.state_dict()}
+            (path / STATE_FILE).write_text(json.dumps(state))
+
+        return self.ckpts.save(self.iteration, write)
+
+    def _load_state(self, path: Path) -> None:
+        self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=False))
+        state = json.loads((path / STATE_FILE).read_text())
+        self.iteration, self.next_group = state["iteration"], state["next_group"]
+        self.rollout.load_state_dict(state["rollout"])
+        _set_rng_state(torch.load(path / RNG_FILE, weights_only=False))
+        print(f"resumed from {path} at iteration {self.iteration}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def response_logprobs(model: torch.nn.Module, trajectories: list, pad_id: int) -> tuple[torch.Tensor, float]:
+    """log pi(y|x) [N] of each trajectory's response under `model` (with grad), from one plain forward of
+    prompt + response, and the mean per-token entropy of the policy over the response positions."""
+    ids_NT, targets_NT, mask_NT = _pack_sequences(trajectories, pad_id)
+    logp_NTV = model(ids_NT).logits[:, :-1].float().log_softmax(-1)
+    token_logp = logp_NTV.gather(-1, targets_NT[..., None]).squeeze(-1) * mask_NT
+    with torch.no_grad():
+        entropy_NT = -(logp_NTV.exp() * logp_NTV).sum(-1)
+        entropy = float((entropy_NT * mask_NT).sum() / mask_NT.sum())
+    return token_logp.sum(-1), entropy
+
+
+def _pack_sequences(trajectories, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [N, T] (prompt + response, right-padded), targets [N, T-1] = ids shifted left, and mask [N, T-1]
+    = 1 where the target is a response token (the positions whose log-probs enter log pi(y|x))."""
+    width = max(len(t.prompt_ids) + len(t.token_ids) for t in trajectories)
+    ids = torch.full((len(trajectories), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(trajectories), width - 1)
+    for b, t in enumerate(trajectories):
+        seq = t.prompt_ids + t.token_ids
+        ids[b, : len(seq)] = torch.tensor(seq)
+        mask[b, len(t.prompt_ids) - 1: len(seq) - 1] = 1.0
+    return ids, ids[:, 1:], mask
+
+
+def _held_out(task, difficulties: list[int], count: int, seed: int) -> list:
+    """`count` distinct evaluation problems (a seed stream of their own)."""
+    seen, out = set(), []
+    stream = problems(task, difficulties, seed + 10_000, set())
+    for _ in range(count * 100):
+        problem = next(stream)
+        if problem.prompt not in seen:
+            seen.add(problem.prompt)
+            out.append(problem)
+            if len(out) == count:
+                return out
+    raise ValueError(f"task {task.name} at difficulties {difficulties} has fewer than {count} distinct problems")
+
+
+def plot_rl_curves(run_dir: str | Path) -> Path | None:
+    """rl_curves.png: reward (training samples, held-out greedy and sampled), response length and entropy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+
+    def series(key):
+        rows = [(r["step"], r[key]) for r in records if key in r and r[key] == r[key]]
+        return [s for s, _ in rows], [v for _, v in rows]
+
+    if not series("reward_mean")[0] and not series("eval_reward")[0]:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for key, label in (("reward_mean", "rollouts (train)"), ("eval_reward", "held-out, greedy"),
+                       ("eval_reward_sampled", "held-out, T=1")):
+        x, y = series(key)
+        axes[0].plot(x, y, "o-" if key.startswith("eval") else "-", label=label, lw=1, ms=3)
+    axes[0].set(xlabel="iteration", ylabel="mean verified reward", title="Reward", ylim=(0, 1))
+    axes[0].legend()
+    for ax, key, title in ((axes[1], "response_len", "Response length (tokens)"), (axes[2], "entropy",
+                                                                                   "Policy entropy (nats/token)")):
+        x, y = series(key)
+        ax.plot(x, y, lw=1)
+        ax.set(xlabel="iteration", title=title)
+    fig.tight_layout()
+    path = Path(run_dir) / CURVES_FILE
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def rl_main(argv: list[str] | None = None) -> int:
+    """`openk2 rl --config configs/rl-tiny.toml [--set section.key=value ...] [--resume]`."""
+    parser = argparse.ArgumentParser(
+        prog="openk2 rl", description="Colocated RL (K1.5 loss, partial rollout, checkpoint-engine weight sync) "
+                                      "on a verifiable task, after a short supervised warm-up")
+    parser.add_argument("--config", help="RL TOML config (e.g. configs/rl-tiny.toml)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value (repeatable)")
+    parser.add_argument("--out-dir", help="run directory (default: the config's out_dir)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("--max-iterations", type=int, help="stop after this many more iterations")
+    args = parser.parse_args(argv)
+    cfg = load_rl_config(args.config, args.set)
+    summary = RLTrainer(cfg, args.out_dir, resume=args.resume).run(args.max_iterations)
+    first, last = summary.first_eval or {}, summary.last_eval or {}
+    nan = float("nan")
+    print(f"iteration {summary.iteration}: held-out reward (greedy) {first.get('eval_reward', nan):.3f} -> "
+          f"{last.get('eval_reward', nan):.3f}, sampled at T=1 {first.get('eval_reward_sampled', nan):.3f} -> "
+          f"{last.get('eval_reward_sampled', nan):.3f}")
+    print(f"checkpoint: {summary.checkpoint}\ncurves: {summary.plot}")
+    return 0
+
+
+__all__ = ["RLSummary", "RLTrainer", "plot_rl_curves", "response_logprobs", "rl_main"]
