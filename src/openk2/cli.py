@@ -47,6 +47,12 @@ def _pretrain(argv: list[str]) -> int:
     return main(argv)
 
 
+def _sft(argv: list[str]) -> int:
+    from openk2.train.sft import sft_main
+
+    return sft_main(argv)
+
+
 def _plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="openk2 plot", description="Write a run's PNG plots from metrics.jsonl")
     parser.add_argument("run_dir")
@@ -64,6 +70,42 @@ def _serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+def _synth(argv: list[str]) -> int:
+    from openk2.agentic.synth_cli import synth_main
+
+    return synth_main(argv)
+
+
+def _sandbox(argv: list[str]) -> int:
+    from openk2.agentic.sandbox_service import sandbox_main
+
+    return sandbox_main(argv)
+
+
+def _rl(argv: list[str]) -> int:
+    from openk2.rl.trainer import rl_main
+
+    return rl_main(argv)
+
+
+def _rl_tasks(argv: list[str]) -> int:
+    from openk2.rl.tasks.cli import rl_tasks_main
+
+    return rl_tasks_main(argv)
+
+
+def _experiment(argv: list[str]) -> int:
+    from openk2.experiments.cli import experiment_main
+
+    return experiment_main(argv)
+
+
+def _rephrase(argv: list[str]) -> int:
+    from openk2.data.rephrase import rephrase_main
+
+    return rephrase_main(argv)
+
+
 def _chat(argv: list[str]) -> int:
     from openk2.llm.chat_cli import chat_main
 
@@ -74,9 +116,16 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "params": (_params, "parameter counts of a preset or HF config"),
     "tokenizer": (_tokenizer, "train a byte-level BPE tokenizer with K2's special tokens"),
     "pretrain": (_pretrain, "pre-train with MuonClip on the shipped corpus (configs/tiny.toml)"),
+    "sft": (_sft, "supervised fine-tuning on chat/tool-use conversations (configs/sft-tiny.toml)"),
     "plot": (_plot, "write a run's loss, max-logit and expert-load plots"),
+    "rephrase": (_rephrase, "rewrite a JSONL/Parquet corpus in several styles with an LLM, fidelity-checked"),
+    "synth": (_synth, "agentic tool-use data synthesis: `synth tools` (repository), `synth run` (SFT data)"),
     "chat": (_chat, "terminal chat with any model spec (local:PATH, hf:smollm2, openai:URL#model)"),
+    "experiment": (_experiment, "re-measure the report's pre-training claims at small scale (list, NAME --quick)"),
     "serve": (_serve, "OpenAI-compatible chat server for a checkpoint (127.0.0.1 by default)"),
+    "rl": (_rl, "colocated RL with partial rollout on a verifiable task (configs/rl-tiny.toml)"),
+    "rl-tasks": (_rl_tasks, "the verifiable RL tasks: `rl-tasks list`, `sample NAME`, `check NAME RESPONSE`"),
+    "sandbox": (_sandbox, "code-execution sandbox service: `sandbox serve` (POST /run, bearer token)"),
 }
 
 

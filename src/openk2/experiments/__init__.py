@@ -7,4 +7,10 @@ Each experiment is a module here with `run(out_dir: Path, mode: str, seed: int) 
 from __future__ import annotations
 
 # name -> module (imported only when the experiment runs, so listing stays fast)
-EXPERIMENTS: dict[str, str] = {}
+EXPERIMENTS: dict[str, str] = {
+    "muon-vs-adamw": "openk2.experiments.muon_vs_adamw",
+    "qk-clip": "openk2.experiments.qk_clip",
+    "sparsity": "openk2.experiments.sparsity",
+    "heads": "openk2.experiments.heads",
+    "rephrase-vs-repeat": "openk2.experiments.rephrase_vs_repeat",
+}
