@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 
 import pytest
 
@@ -155,12 +154,11 @@ def _smollm2_missing() -> str | None:
 @pytest.mark.slow
 @pytest.mark.skipif(_smollm2_missing() is not None, reason=str(_smollm2_missing()))
 def test_smollm2_real():
-    t0 = time.perf_counter()
     model = load_chat_model("hf:smollm2")
     [r] = model.chat([{"role": "user", "content": "What is the capital of France?"}], temperature=0, max_tokens=8)
     assert r.content and r.usage["completion_tokens"] <= 8 and r.usage["prompt_tokens"] > 10
     assert "Paris" in r.content
-    assert time.perf_counter() - t0 < 60
+    assert load_chat_model("hf:smollm2").model is model.model  # one copy of the weights per process
 
 
 def test_alias_missing(monkeypatch):

@@ -22,6 +22,7 @@ Alias: `smollm2` is SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI pa
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -141,28 +142,35 @@ def _template_messages(messages: Sequence[dict]) -> list[dict]:
     return out
 
 
+@functools.lru_cache(maxsize=2)
+def _load(directory: Path, gguf: str | None, device: str, dtype: str | None, trust_remote_code: bool):
+    # Cached: a pipeline whose agent, user simulator and judge all name the same model (and a test session)
+    # holds one copy of the weights; the model is only used for inference, so sharing it is safe.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    if gguf:
+        kw["gguf_file"] = gguf
+    tokenizer = AutoTokenizer.from_pretrained(directory, **kw)
+    if dtype:
+        kw["dtype"] = getattr(torch, dtype)
+    return AutoModelForCausalLM.from_pretrained(directory, **kw).to(device).eval(), tokenizer
+
+
 class HFChatModel(ChatModel):
     """A transformers causal LM: `source` is a model directory, a `.gguf` file, an alias (`smollm2`) or a
     `(model, tokenizer)` pair. `gguf_file` names a GGUF file inside a directory `source`."""
 
     def __init__(self, source: str | Path | tuple[Any, Any], gguf_file: str | None = None, device: str = "cpu",
                  dtype: str | None = None, default_max_tokens: int = 256, trust_remote_code: bool = False) -> None:
-        import torch
 
         if isinstance(source, tuple):
             self.model, self.tokenizer = source
             self.name = "hf"
         else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
             directory, gguf = _resolve_source(source, gguf_file)
-            kw: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
-            if gguf:
-                kw["gguf_file"] = gguf
-            self.tokenizer = AutoTokenizer.from_pretrained(directory, **kw)
-            if dtype:
-                kw["dtype"] = getattr(torch, dtype)
-            self.model = AutoModelForCausalLM.from_pretrained(directory, **kw).to(device).eval()
+            self.model, self.tokenizer = _load(directory, gguf, device, dtype, trust_remote_code)
             self.name = f"hf:{source}"
         self.device = device
         self.default_max_tokens = default_max_tokens

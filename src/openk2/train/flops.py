@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -27,9 +28,11 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params + attention * seq_len / 2
 
 
+@functools.lru_cache(maxsize=8)
 def measure_matmul_peak(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                         size: int = 1024, repeats: int = 5) -> float:
-    """Median FLOP/s of x @ W^T (nn.Linear's layout) in `dtype`: the ceiling MFU is measured against here."""
+    """Median FLOP/s of x @ W^T (nn.Linear's layout) in `dtype`: the ceiling MFU is measured against here.
+    Measured once per process and arguments (experiments build many trainers)."""
     x = torch.randn(size, size, device=device).to(dtype)
     w = torch.randn(size, size, device=device).to(dtype)
     cuda = torch.device(device).type == "cuda"
