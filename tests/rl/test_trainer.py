@@ -47,6 +47,15 @@ def test_config_rejects_unknown_keys():
         load_rl_config(CONFIG, ["rollout.samples_per_prompt=1"])
 
 
+def test_config_rejects_bad_option_values():
+    for override, message in [("task.eval_samples=0", "eval_samples"), ("loss.logp_reduction='max'", "sum or mean"),
+                              ("optim.optimizer='rmsprop'", "muon, adamw or sgd"), ("optim.momentum=1.0", "momentum")]:
+        with pytest.raises(ValueError, match=message):
+            load_rl_config(CONFIG, [override])
+    cfg = load_rl_config(CONFIG, ["optim.optimizer='sgd'", "loss.logp_reduction='mean'", "task.eval_samples=4"])
+    assert (cfg.optim.optimizer, cfg.loss.logp_reduction, cfg.task.eval_samples) == ("sgd", "mean", 4)
+
+
 @pytest.mark.slow
 def test_rl_loop_runs_checkpoints_and_resumes(tmp_path, capsys):
     out = tmp_path / "run"

@@ -37,12 +37,13 @@ class TaskSection:
     name: str = "arithmetic"  # an openk2.rl.tasks name
     difficulties: list[int] = field(default_factory=lambda: [1, 2, 3])  # levels problems are drawn from
     eval_problems: int = 128  # held-out problems (their expressions never appear in warm-up or RL prompts)
+    eval_samples: int = 1  # samples per held-out problem at T = 1 (eval_reward_sampled is their mean reward)
 
     def __post_init__(self) -> None:
         if not self.difficulties:
             raise ValueError("task.difficulties must name at least one level")
-        if self.eval_problems < 1:
-            raise ValueError(f"task.eval_problems must be >= 1, got {self.eval_problems}")
+        if self.eval_problems < 1 or self.eval_samples < 1:
+            raise ValueError("task.eval_problems and task.eval_samples must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -78,23 +79,32 @@ class LossSection:
     clip_eps: float = 0.2  # GRPO only
     budget_penalty: float = 0.5  # subtracted from the reward of responses truncated at max_tokens
     ptx_weight: float = 0.0  # weight of the PTX (warm-up data) language-model loss; 0: off
+    # log pi(y|x) as the report writes it ("sum" over response tokens) or per token ("mean": the sum divided by
+    # the response length, so long responses do not dominate the log-ratio term)
+    logp_reduction: str = "sum"
 
     def __post_init__(self) -> None:
         if self.tau <= 0:
             raise ValueError(f"loss.tau must be > 0, got {self.tau}")
+        if self.logp_reduction not in ("sum", "mean"):
+            raise ValueError(f"loss.logp_reduction must be sum or mean, got {self.logp_reduction!r}")
 
 
 @dataclass(kw_only=True)
 class OptimSection:
-    optimizer: str = "muon"  # muon: MuonClip (as K2 trains RL with Muon); adamw: AdamW everywhere
+    # muon: MuonClip (as K2 trains RL with Muon); adamw: AdamW everywhere; sgd: SGD with momentum everywhere
+    optimizer: str = "muon"
+    momentum: float = 0.9  # sgd only
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # <= 0: off
     qk_clip_tau: float = 100.0
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("muon", "adamw"):
-            raise ValueError(f"optim.optimizer must be muon or adamw, got {self.optimizer!r}")
+        if self.optimizer not in ("muon", "adamw", "sgd"):
+            raise ValueError(f"optim.optimizer must be muon, adamw or sgd, got {self.optimizer!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"optim.momentum must be in [0, 1), got {self.momentum}")
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
 

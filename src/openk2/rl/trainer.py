@@ -43,7 +43,7 @@ from openk2.model import K2ForCausalLM
 from openk2.optim.muonclip import MuonClip
 from openk2.rl import tasks
 from openk2.rl.ckpt_engine import sync_in_process
-from openk2.rl.config import RLConfig, load_rl_config
+from openk2.rl.config import OptimSection, RLConfig, load_rl_config
 from openk2.rl.loss import budget_penalty, decayed_temperature, get_loss, ptx_loss
 from openk2.rl.rollout import Group, PartialRollout, new_group
 from openk2.rl.warmup import encode_prompt, problems, run_warmup, sft_batch
@@ -92,8 +92,7 @@ class RLTrainer:
             self.policy, self.tokenizer = run_warmup(cfg, self.task, self.out_dir, self.exclude)
         self.inference = copy.deepcopy(self.policy).eval()  # the rollout engine's weights (decoupled copy)
         self.inference.track_max_logits(False)
-        self.optimizer = MuonClip(self.policy, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                                  tau=cfg.optim.qk_clip_tau, use_muon=cfg.optim.optimizer == "muon")
+        self.optimizer = build_rl_optimizer(self.policy, cfg.optim)
         self.im_end = self.tokenizer.special_ids[IM_END]
         self.max_tokens = cfg.rollout.max_tokens or self.task.max_tokens
         self.rollout = PartialRollout(max_tokens=self.max_tokens, segment_tokens=cfg.rollout.segment_tokens or None,
@@ -179,13 +178,17 @@ class RLTrainer:
         trajectories = [t for g in groups for t in g.trajectories]
         p, k = rewards.shape
         logp_old = torch.tensor([t.logprob_old for t in trajectories]).view(p, k)
+        per_token = self.cfg.loss.logp_reduction == "mean"
+        if per_token:  # both log-probs of the log-ratio become per-token means
+            logp_old = logp_old / lengths.clamp(min=1)
         self.policy.train()
         losses, entropy, grad_norm, clip = [], float("nan"), float("nan"), None
         for update in range(self.cfg.train.updates_per_iteration):
             logp_N, token_entropy = response_logprobs(self.policy, trajectories, self.tokenizer.pad_id)
             if update == 0:
                 entropy = token_entropy
-            loss = self._policy_loss(logp_N.view(p, k), logp_old, rewards)
+            logp_PK = logp_N.view(p, k) / lengths.clamp(min=1) if per_token else logp_N.view(p, k)
+            loss = self._policy_loss(logp_PK, logp_old, rewards)
             if self.cfg.loss.ptx_weight > 0:
                 ptx_ids, ptx_labels = sft_batch(self.tokenizer, [next(self.ptx_stream) for _ in range(p)])
                 loss = loss + ptx_loss(self.policy, ptx_ids, self.cfg.loss.ptx_weight, ptx_labels)
@@ -221,21 +224,25 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
-        """Mean verified reward on the held-out problems: greedy, and one sample at temperature 1."""
+        """Mean verified reward on the held-out problems: greedy, and `task.eval_samples` samples each at T = 1
+        (seeds seed, seed+1, ...: the same draws at every evaluation, so evaluations are paired)."""
         engine = Engine(self.inference, self.tokenizer, max_batch_size=self.cfg.rollout.max_batch_size,
                         max_seq_len=max(len(encode_prompt(self.tokenizer, p)) for p in self.eval_problems)
                         + self.max_tokens)
         prompts = [encode_prompt(self.tokenizer, p) for p in self.eval_problems]
         out = {}
-        for name, temperature in (("eval_reward", 0.0), ("eval_reward_sampled", 1.0)):
-            params = SamplingParams(max_tokens=self.max_tokens, temperature=temperature, seed=self.cfg.train.seed,
-                                    stop_token_ids=[self.im_end])
+        passes = [("eval_reward", 0.0, 0)] + [("eval_reward_sampled", 1.0, i)
+                                               for i in range(self.cfg.task.eval_samples)]
+        scores: dict[str, list[float]] = {}
+        for name, temperature, offset in passes:
+            params = SamplingParams(max_tokens=self.max_tokens, temperature=temperature,
+                                    seed=self.cfg.train.seed + offset, stop_token_ids=[self.im_end])
             results = engine.generate(prompts, params)
-            scores = [self.task.verify(p, self._response_text(r.token_ids))
-                      for p, r in zip(self.eval_problems, results, strict=True)]
-            out[name] = float(np.mean(scores))
+            scores.setdefault(name, []).extend(self.task.verify(p, self._response_text(r.token_ids))
+                                               for p, r in zip(self.eval_problems, results, strict=True))
             if temperature == 0.0:
                 out["eval_response_len"] = float(np.mean([len(r.token_ids) for r in results]))
+        out.update({name: float(np.mean(values)) for name, values in scores.items()})
         return out
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -263,6 +270,21 @@ class RLTrainer:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def build_rl_optimizer(policy: torch.nn.Module, oc: OptimSection) -> MuonClip:
+    """MuonClip with Muon or AdamW, or with SGD + momentum in its AdamW slot (QK-Clip and the probe still run).
+
+    SGD keeps the relative sizes of the gradient's components, where Muon (spectral) and AdamW (per-coordinate)
+    normalise them. It tests whether that normalisation of a noisy policy gradient hurts; on the tiny arithmetic
+    run it did no better than Muon (docs/rl.md, the sweep).
+    """
+    optimizer = MuonClip(policy, lr=oc.lr, weight_decay=oc.weight_decay, tau=oc.qk_clip_tau,
+                         use_muon=oc.optimizer == "muon")
+    if oc.optimizer == "sgd":
+        optimizer.adamw = torch.optim.SGD([q for q in policy.parameters() if q.requires_grad], lr=oc.lr,
+                                          momentum=oc.momentum, weight_decay=oc.weight_decay)
+    return optimizer
+
+
 def response_logprobs(model: torch.nn.Module, trajectories: list, pad_id: int) -> tuple[torch.Tensor, float]:
     """log pi(y|x) [N] of each trajectory's response under `model` (with grad), from one plain forward of
     prompt + response, and the mean per-token entropy of the policy over the response positions."""
@@ -376,4 +398,4 @@ def rl_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["RLSummary", "RLTrainer", "plot_rl_curves", "response_logprobs", "rl_main"]
+__all__ = ["RLSummary", "RLTrainer", "build_rl_optimizer", "plot_rl_curves", "response_logprobs", "rl_main"]

@@ -128,7 +128,7 @@ def run_warmup(cfg: RLConfig, task: Task, out_dir: Path, exclude: set[str]) -> t
 def _fit(model: K2ForCausalLM, tokenizer: K2Tokenizer, stream: Iterator[Problem], cfg: RLConfig) -> None:
     wc = cfg.warmup
     optimizer = MuonClip(model, lr=wc.lr, weight_decay=0.0, tau=cfg.optim.qk_clip_tau,
-                         use_muon=cfg.optim.optimizer == "muon")
+                         use_muon=cfg.optim.optimizer != "adamw")  # an sgd RL run still warms up with Muon
     warm = max(1, wc.steps // 10)
     decay = wc.steps // 3
     schedule = WSDConfig(peak_lr=wc.lr, warmup_steps=warm, stable_steps=wc.steps - warm - decay,
