@@ -104,6 +104,8 @@ def sft_run_config(cfg: RunConfig) -> tuple[RunConfig, Path]:
 class SFTTrainer(Trainer):
     """The pre-training loop on packed conversations, starting from `init_checkpoint`'s weights."""
 
+    progress_label = "sft"
+
     def __init__(self, cfg: RunConfig, init_checkpoint: Path, out_dir: str | Path | None = None,
                  resume: bool = False) -> None:
         self.sft: SFTSection = cfg.sft

@@ -94,7 +94,7 @@ class Trainer:
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         window_loss, window_tokens, window_start = [], 0, time.perf_counter()
         tokens_per_s, val_loss, last_ckpt = 0.0, None, None
-        bar = tqdm(total=stop_at, initial=self.step, desc="pretrain", unit="step", dynamic_ncols=True,
+        bar = tqdm(total=stop_at, initial=self.step, desc=self.progress_label, unit="step", dynamic_ncols=True,
                    disable=None if self.is_main else True)
         try:
             while self.step < stop_at and not self._should_stop():
@@ -213,6 +213,7 @@ class Trainer:
 
     # Hooks a parallel run overrides (openk2.train.parallel): optimizer, metrics, stopping together.
     is_main = True  # this process logs, plots and writes the model
+    progress_label = "pretrain"  # the progress bar's name
 
     def _build_optimizer(self) -> MuonClip:
         o = self.cfg.optim
