@@ -106,6 +106,12 @@ def _rephrase(argv: list[str]) -> int:
     return rephrase_main(argv)
 
 
+def _eval(argv: list[str]) -> int:
+    from openk2.eval.cli import eval_main
+
+    return eval_main(argv)
+
+
 def _chat(argv: list[str]) -> int:
     from openk2.llm.chat_cli import chat_main
 
@@ -125,6 +131,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "OpenAI-compatible chat server for a checkpoint (127.0.0.1 by default)"),
     "rl": (_rl, "colocated RL with partial rollout on a verifiable task (configs/rl-tiny.toml)"),
     "rl-tasks": (_rl_tasks, "the verifiable RL tasks: `rl-tasks list`, `sample NAME`, `check NAME RESPONSE`"),
+    "eval": (_eval, "score a model on benchmarks (tau2, BFCL, HumanEval, math, ...): `eval --list`, `eval compare`"),
     "sandbox": (_sandbox, "code-execution sandbox service: `sandbox serve` (POST /run, bearer token)"),
 }
 

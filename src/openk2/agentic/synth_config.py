@@ -13,6 +13,7 @@ from typing import Any
 
 from openk2.agentic.domains import SEED_CATEGORIES
 from openk2.agentic.simulate import FaultConfig
+from openk2.train.config import build_section
 
 
 @dataclass(kw_only=True)
@@ -94,21 +95,11 @@ class SynthConfig:
         if unknown:
             raise ValueError(f"unknown section(s) in synth config: {', '.join(unknown)} "
                              f"(known: {', '.join([*sections, 'simulate'])})")
-        built = {name: _build(cls_, name, raw.get(name, {})) for name, cls_ in sections.items()}
+        built = {name: build_section(cls_, name, raw.get(name, {})) for name, cls_ in sections.items()}
         sim = dict(raw.get("simulate", {}))
-        faults = _build(FaultConfig, "simulate.faults", sim.pop("faults", {}))
-        built["simulate"] = _build(SimulateSection, "simulate", {**sim, "faults": faults})
+        faults = build_section(FaultConfig, "simulate.faults", sim.pop("faults", {}))
+        built["simulate"] = build_section(SimulateSection, "simulate", {**sim, "faults": faults})
         return cls(**built)
-
-
-def _build(cls, section: str, values: Any):
-    if not isinstance(values, dict):
-        raise ValueError(f"[{section}] must be a table")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown key(s) in [{section}]: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    return cls(**values)
 
 
 def load_synth_config(path: str | Path | None, overrides: list[str] | None = None) -> SynthConfig:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from openk2.config import ModelConfig
-from openk2.train.config import _build, apply_overrides, read_toml
+from openk2.train.config import apply_overrides, build_section, read_toml
 
 TEMPERATURE_SCHEDULES = ("linear", "cosine", "exponential")
 
@@ -157,12 +157,12 @@ class RLConfig:
             model_cfg = ModelConfig.preset(preset).replace(**model) if model else ModelConfig.preset(preset)
         return cls(
             model=model_cfg, checkpoint=checkpoint,
-            warmup=_build(WarmupSection, "warmup", raw.get("warmup", {})),
-            task=_build(TaskSection, "task", raw.get("task", {})),
-            rollout=_build(RolloutSection, "rollout", raw.get("rollout", {})),
-            loss=_build(LossSection, "loss", raw.get("loss", {})),
-            optim=_build(OptimSection, "optim", raw.get("optim", {})),
-            train=_build(TrainSection, "train", raw.get("train", {})),
+            warmup=build_section(WarmupSection, "warmup", raw.get("warmup", {})),
+            task=build_section(TaskSection, "task", raw.get("task", {})),
+            rollout=build_section(RolloutSection, "rollout", raw.get("rollout", {})),
+            loss=build_section(LossSection, "loss", raw.get("loss", {})),
+            optim=build_section(OptimSection, "optim", raw.get("optim", {})),
+            train=build_section(TrainSection, "train", raw.get("train", {})),
             out_dir=raw.get("out_dir", "runs/rl-tiny"),
         )
 

@@ -21,7 +21,10 @@ PRECISIONS = ("auto", "fp32", "bf16")
 BAD_STEP_POLICIES = ("skip", "stop")
 
 
-def _build(cls, section: str, values: dict[str, Any]):
+def build_section(cls, section: str, values: Any):
+    """`cls(**values)` for the TOML table `[section]`, with one clear error for a non-table or an unknown key."""
+    if not isinstance(values, dict):
+        raise ValueError(f"[{section}] must be a table")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -139,13 +142,13 @@ class RunConfig:
         preset = model.pop("preset", "tiny")
         return cls(
             model=ModelConfig.preset(preset).replace(**model) if model else ModelConfig.preset(preset),
-            tokenizer=_build(TokenizerSection, "tokenizer", raw.get("tokenizer", {})),
+            tokenizer=build_section(TokenizerSection, "tokenizer", raw.get("tokenizer", {})),
             data=CorpusConfig.from_dict(raw.get("data", {})),
-            optim=_build(OptimSection, "optim", raw.get("optim", {})),
-            schedule=_build(ScheduleSection, "schedule", raw.get("schedule", {})),
-            train=_build(TrainSection, "train", raw.get("train", {})),
-            parallel=_build(ParallelConfig, "parallel", raw.get("parallel", {})),
-            memory=_build(MemorySection, "memory", raw.get("memory", {})),
+            optim=build_section(OptimSection, "optim", raw.get("optim", {})),
+            schedule=build_section(ScheduleSection, "schedule", raw.get("schedule", {})),
+            train=build_section(TrainSection, "train", raw.get("train", {})),
+            parallel=build_section(ParallelConfig, "parallel", raw.get("parallel", {})),
+            memory=build_section(MemorySection, "memory", raw.get("memory", {})),
             sft=_sft_section(raw["sft"]) if "sft" in raw else None,
             out_dir=raw.get("out_dir", "runs/tiny"),
         )
@@ -164,7 +167,7 @@ class RunConfig:
 def _sft_section(values: dict[str, Any]):
     from openk2.train.sft import SFTSection  # imported here: sft.py builds on the trainer, which imports this
 
-    return _build(SFTSection, "sft", values)
+    return build_section(SFTSection, "sft", values)
 
 
 def _parse_value(text: str) -> Any:

@@ -1,0 +1,261 @@
+"""Run benchmarks on a model and write what happened: `run_eval` and `compare`.
+
+Layout of an evaluation directory:
+
+    OUT/<benchmark>/samples.jsonl   one record per sample: id, score, answer, detail, model, seed
+    OUT/results.json                {benchmark: {metric, value, low, high, n, higher_is_better}} + run settings
+    OUT/summary.md                  the same as a markdown table
+
+Each record is appended (and flushed) as soon as its sample is scored, so an interrupted run loses at most the
+samples in flight; rerunning the same command scores only what is missing. Records written under other settings
+(model, seed, temperature, ...) are never mixed in: the run refuses to resume over them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from openk2.eval import registry
+from openk2.eval.base import Aggregate, Benchmark, EvalContext, Sample, Verdict
+from openk2.llm.base import ChatModel
+
+ORACLE = "oracle"
+_SETTINGS_FILE = "settings.json"
+
+
+def run_eval(model: str | ChatModel, benchmarks: Sequence[str], out_dir: str | Path, *, limit: int | None = None,
+             ctx: EvalContext | None = None, concurrency: int = 1, progress: bool = True) -> dict[str, Aggregate]:
+    """Score `model` (a ChatModel, a spec for `load_chat_model`, or "oracle") on `benchmarks`; see the module doc."""
+    if not benchmarks:
+        raise ValueError("no benchmarks given")
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    ctx = ctx or EvalContext()
+    benches = [registry.get(name) for name in benchmarks]  # unknown names fail before any model loads
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    owned = isinstance(model, str) and model != ORACLE
+    chat_model = _load_model(model) if owned else model
+    model_name = ORACLE if chat_model == ORACLE else getattr(chat_model, "name", type(chat_model).__name__)
+    settings = _settings(model_name, ctx, limit)
+    results: dict[str, Aggregate] = {}
+    try:
+        for bench in benches:
+            results[bench.name] = _run_benchmark(bench, chat_model, out / bench.name, settings, ctx, limit,
+                                                 concurrency, progress)
+    finally:
+        if owned:
+            chat_model.close()
+    _write_results(out, benches, results, settings)
+    return results
+
+
+def _load_model(spec: str) -> ChatModel:
+    from openk2.llm.registry import load_chat_model
+
+    return load_chat_model(spec)
+
+
+def _settings(model_name: str, ctx: EvalContext, limit: int | None) -> dict[str, Any]:
+    return {"model": model_name, "seed": ctx.seed, "temperature": ctx.temperature, "max_tokens": ctx.max_tokens,
+            "samples_per_problem": ctx.samples_per_problem, "k": ctx.k,
+            "user_model": getattr(ctx.user_model, "name", None), "judge": getattr(ctx.judge, "name", None)}
+
+
+def _run_benchmark(bench: Benchmark, model: ChatModel | str, bench_dir: Path, settings: dict, ctx: EvalContext,
+                   limit: int | None, concurrency: int, progress: bool) -> Aggregate:
+    bench_dir.mkdir(parents=True, exist_ok=True)
+    _claim_directory(bench_dir, settings)
+    samples = bench.samples(limit)
+    records_path = bench_dir / "samples.jsonl"
+    _drop_partial_line(records_path)
+    done = {rec["id"]: rec for rec in read_records(records_path)}
+    todo = [s for s in samples if s.id not in done]
+    evaluate = _evaluator(bench, model, ctx)
+    bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=bench.name, unit="sample",
+               disable=not progress, dynamic_ncols=True)
+    with open(records_path, "a", encoding="utf-8") as sink:
+        def record(sample: Sample, verdict: Verdict, seconds: float) -> None:
+            rec = {"id": sample.id, "score": verdict.score, "answer": verdict.answer, "detail": verdict.detail,
+                   "model": settings["model"], "seed": ctx.sample_seed(sample.id), "seconds": round(seconds, 3)}
+            sink.write(json.dumps(rec, default=str) + "\n")
+            sink.flush()
+            done[sample.id] = rec
+            bar.update(1)
+            scored = [r["score"] for r in done.values() if _finite(r["score"])]
+            if scored:
+                bar.set_postfix(mean=f"{sum(scored) / len(scored):.3f}")
+
+        if concurrency == 1 or len(todo) <= 1:
+            for sample in todo:
+                record(sample, *evaluate(sample))
+        else:
+            with ThreadPoolExecutor(concurrency) as pool:
+                futures = {pool.submit(evaluate, s): s for s in todo}
+                for fut in as_completed(futures):
+                    record(futures[fut], *fut.result())
+    bar.close()
+    wanted = [done[s.id] for s in samples]
+    verdicts = [Verdict(r["score"], r.get("answer"), r.get("detail") or {}) for r in wanted]
+    scored = [v for v in verdicts if _finite(v.score)]
+    if len(scored) < len(verdicts):
+        reasons = {str(v.detail.get("error", "no score")) for v in verdicts if not _finite(v.score)}
+        print(f"{bench.name}: {len(verdicts) - len(scored)} sample(s) could not be scored: "
+              f"{'; '.join(sorted(reasons))}")
+    return bench.aggregate(scored) if scored else Aggregate(math.nan, math.nan, math.nan, 0)
+
+
+def _evaluator(bench: Benchmark, model: ChatModel | str, ctx: EvalContext) -> Callable[[Sample], tuple[Verdict, float]]:
+    """Scores one sample and times it; the oracle is built per sample, and a benchmark bug becomes a
+    recorded error rather than the end of the run (the record says which exception)."""
+    def evaluate(sample: Sample) -> tuple[Verdict, float]:
+        start = time.perf_counter()
+        try:
+            if model == ORACLE:
+                try:
+                    chat_model = bench.oracle(sample)
+                except NotImplementedError as exc:
+                    return Verdict(math.nan, None, {"error": f"no oracle: {exc}"}), 0.0
+            else:
+                chat_model = model
+            verdict = bench.evaluate(chat_model, sample, ctx)
+        except Exception as exc:  # noqa: BLE001 - recorded per sample, see docstring
+            verdict = Verdict(0.0, None, {"error": f"{type(exc).__name__}: {exc}"})
+        return verdict, time.perf_counter() - start
+    return evaluate
+
+
+def _claim_directory(bench_dir: Path, settings: dict) -> None:
+    """Refuse to resume into records written under other settings (they would be silently mixed)."""
+    path = bench_dir / _SETTINGS_FILE
+    if path.exists():
+        previous = json.loads(path.read_text())
+        if previous != settings:
+            changed = sorted(k for k in set(previous) | set(settings) if previous.get(k) != settings.get(k))
+            raise ValueError(f"{bench_dir} holds records from a run with other settings ({', '.join(changed)}); "
+                             "use another --out directory or delete it")
+        return
+    _atomic_write(path, json.dumps(settings, indent=2))
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The records of a samples.jsonl; a line cut off by a crash (the last one) is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _drop_partial_line(path: Path) -> None:
+    """Cut a record left half-written by a crash, so the next append starts on a line of its own."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _write_results(out: Path, benches: Sequence[Benchmark], results: dict[str, Aggregate], settings: dict) -> None:
+    previous = load_results(out) if (out / "results.json").exists() else {}
+    # keep earlier benchmarks of this directory in the table, unless they were run under other settings
+    table = dict(previous.get("benchmarks", {})) if previous.get("settings") == settings else {}
+    for bench in benches:
+        agg = results[bench.name]
+        table[bench.name] = {"metric": bench.metric, "higher_is_better": bench.higher_is_better, **asdict(agg)}
+    payload = {"settings": settings, "benchmarks": table}
+    _atomic_write(out / "results.json", json.dumps(payload, indent=2, default=_json_nan))
+    _atomic_write(out / "summary.md", format_table(payload, title=f"model `{settings['model']}`"))
+
+
+def _json_nan(x: Any) -> Any:
+    return str(x)
+
+
+def load_results(run_dir: str | Path) -> dict:
+    """A run directory's results.json."""
+    path = Path(run_dir) / "results.json"
+    if not path.exists():
+        raise ValueError(f"{run_dir} has no results.json (not an evaluation directory, or the run never finished)")
+    return json.loads(path.read_text())
+
+
+def format_table(payload: dict, title: str = "") -> str:
+    """One run's results as a markdown table (score with its 95% interval, n)."""
+    lines = [f"# Evaluation: {title}", ""] if title else []
+    lines += ["| benchmark | metric | score | 95% interval | n |", "|---|---|---|---|---|"]
+    for name, row in sorted(payload["benchmarks"].items()):
+        lines.append(f"| {name} | {row['metric']} | {_fmt(row['value'])} | "
+                     f"[{_fmt(row['low'])}, {_fmt(row['high'])}] | {row['n']} |")
+    return "\n".join(lines) + "\n"
+
+
+def compare(run_dirs: Sequence[str | Path], labels: Sequence[str] | None = None) -> str:
+    """Runs side by side: one row per benchmark, one column per run, the best score in bold."""
+    if not run_dirs:
+        raise ValueError("compare needs at least one evaluation directory")
+    runs = [load_results(d) for d in run_dirs]
+    labels = list(labels) if labels else [r["settings"]["model"] for r in runs]
+    if len(labels) != len(runs):
+        raise ValueError("give one label per run")
+    names = sorted({name for r in runs for name in r["benchmarks"]})
+    lines = ["| benchmark | metric | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(runs)]
+    for name in names:
+        rows = [r["benchmarks"].get(name) for r in runs]
+        known = [row for row in rows if row and _finite(_num(row["value"]))]
+        best = None
+        if known:
+            pick = max if known[0]["higher_is_better"] else min
+            best = pick(_num(row["value"]) for row in known)
+        cells = []
+        for row in rows:
+            if not row:
+                cells.append("-")
+                continue
+            text = f"{_fmt(row['value'])} ± {_fmt((_num(row['high']) - _num(row['low'])) / 2)} (n={row['n']})"
+            cells.append(f"**{text}**" if len(known) > 1 and _num(row["value"]) == best else text)
+        metric = next(row["metric"] for row in rows if row)
+        lines.append(f"| {name} | {metric} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _num(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _fmt(x: Any) -> str:
+    x = _num(x)
+    if not math.isfinite(x):
+        return "n/a"
+    return f"{x:.3f}" if abs(x) < 1000 else f"{x:.1f}"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
