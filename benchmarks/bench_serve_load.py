@@ -112,7 +112,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads in the server")
     args = p.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
-    print(machine_summary())
+    # the header's torch-thread count is this client process's; the server's is --threads
+    print(f"{machine_summary()} | server torch threads: {args.threads}")
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "ckpt"
         write_checkpoint(checkpoint, args.preset, args.vocab)
