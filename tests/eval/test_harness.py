@@ -162,3 +162,10 @@ def test_cli_list_and_run(tmp_path, capsys):
     assert main(["eval", "compare", str(tmp_path)]) == 0
     assert main(["eval", "--model", "oracle", "--benchmarks", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_preflight_check_runs_before_the_model_loads(tmp_path):
+    with pytest.raises(ValueError, match="judge"):
+        run_eval("local:/no/such/checkpoint", ["rl:safety"], tmp_path)
+    with pytest.raises(ValueError, match="pass@k"):
+        run_eval("local:/no/such/checkpoint", ["humaneval"], tmp_path, ctx=EvalContext(samples_per_problem=2, k=3))

@@ -99,6 +99,10 @@ class Benchmark(ABC):
     def evaluate(self, model: ChatModel, sample: Sample, ctx: EvalContext) -> Verdict:
         """Run `model` on `sample` and score it. Never raises for a bad model answer: that is a score of 0."""
 
+    def check(self, ctx: EvalContext) -> None:  # noqa: B027 - optional hook
+        """Raise ValueError if this benchmark cannot run under `ctx` (a judge it needs is missing, k > n, ...);
+        the harness calls it for every benchmark before loading any model."""
+
     def oracle(self, sample: Sample) -> ChatModel:
         """A ChatModel that answers `sample` with its ground truth."""
         raise NotImplementedError(f"{self.name} has no ground truth to replay")

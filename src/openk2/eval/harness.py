@@ -44,6 +44,8 @@ def run_eval(model: str | ChatModel, benchmarks: Sequence[str], out_dir: str | P
         raise ValueError(f"limit must be >= 1, got {limit}")
     ctx = ctx or EvalContext()
     benches = [registry.get(name) for name in benchmarks]  # unknown names fail before any model loads
+    for bench in benches:
+        bench.check(ctx)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     owned = isinstance(model, str) and model != ORACLE
