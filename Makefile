@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/openk2 pretrain --config configs/tiny.toml
+	$(VENV)/bin/openk2 pipeline --config configs/pipeline-tiny.toml
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -112,6 +112,18 @@ def _eval(argv: list[str]) -> int:
     return eval_main(argv)
 
 
+def _redteam(argv: list[str]) -> int:
+    from openk2.eval.redteam.cli import redteam_main
+
+    return redteam_main(argv)
+
+
+def _pipeline(argv: list[str]) -> int:
+    from openk2.pipeline.cli import pipeline_main
+
+    return pipeline_main(argv)
+
+
 def _chat(argv: list[str]) -> int:
     from openk2.llm.chat_cli import chat_main
 
@@ -132,6 +144,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "rl": (_rl, "colocated RL with partial rollout on a verifiable task (configs/rl-tiny.toml)"),
     "rl-tasks": (_rl_tasks, "the verifiable RL tasks: `rl-tasks list`, `sample NAME`, `check NAME RESPONSE`"),
     "eval": (_eval, "score a model on benchmarks (tau2, BFCL, HumanEval, math, ...): `eval --list`, `eval compare`"),
+    "redteam": (_redteam, "safety red-team: plugin x strategy pass rates with attacker and judge models"),
+    "pipeline": (_pipeline, "tokenizer -> pretrain -> SFT -> RL, evaluated after each, and a report"),
     "sandbox": (_sandbox, "code-execution sandbox service: `sandbox serve` (POST /run, bearer token)"),
 }
 
