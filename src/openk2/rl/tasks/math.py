@@ -11,6 +11,7 @@ So ``3/4``, ``0.75`` and ``\\frac{6}{8}`` all match ``\\frac{3}{4}``; ``(x+2)(x+
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import threading
@@ -46,6 +47,9 @@ def equivalent(gold_latex: str, answer: str) -> bool:
     from math_verify import parse, verify
 
     timeout = _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    if timeout is None:  # its signal-based timeout only works in the main thread; it warns on every call without
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     answer = answer if "$" in answer else f"${answer}$"  # math-verify reads bare text less reliably
     gold = parse(f"${gold_latex}$", parsing_timeout=timeout)
     target = parse(answer, parsing_timeout=timeout)
