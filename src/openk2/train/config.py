@@ -52,6 +52,16 @@ class OptimSection:
     grad_clip: float = 1.0  # global grad-norm clip; <= 0 turns it off
     bias_update_rate: float | None = None  # aux-loss-free balancing rate; None: the model config's
 
+    def muonclip_kwargs(self) -> dict[str, Any]:
+        """The keywords `MuonClip` and the parallel trainer's `ZeroMuonClip` both take, read from this table
+        (one mapping, so a new optimizer option reaches both)."""
+        import torch
+
+        return {"lr": self.lr, "weight_decay": self.weight_decay,
+                "tau": self.qk_clip_tau if self.qk_clip_tau > 0 else None, "momentum": self.momentum,
+                "nesterov": self.nesterov, "ns_steps": self.ns_steps, "rms_scale": self.rms_scale,
+                "ns_dtype": getattr(torch, self.ns_dtype), "use_muon": self.optimizer == "muon"}
+
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be positive, got {self.lr}")

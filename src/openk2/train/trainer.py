@@ -216,12 +216,7 @@ class Trainer:
     progress_label = "pretrain"  # the progress bar's name
 
     def _build_optimizer(self) -> MuonClip:
-        o = self.cfg.optim
-        return MuonClip(
-            self.model, lr=o.lr, weight_decay=o.weight_decay, tau=o.qk_clip_tau if o.qk_clip_tau > 0 else None,
-            momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps, rms_scale=o.rms_scale,
-            ns_dtype=getattr(torch, o.ns_dtype), use_muon=o.optimizer == "muon",
-        )
+        return MuonClip(self.model, **self.cfg.optim.muonclip_kwargs())
 
     def _open_metrics(self) -> MetricsLogger:
         # Records past the current step belong to a run that died after its last checkpoint: dropped.

@@ -101,18 +101,13 @@ class ParallelTrainer(Trainer):
         return PipelineModel(model, self.mesh) if self.mesh.config.pp > 1 else model
 
     def _build_optimizer(self) -> ZeroMuonClip:
-        o = self.cfg.optim
         if isinstance(self.model, PipelineModel):
             named, attention = self.model.named_full_parameters(), self.model.attention
         else:
             named, attention = list(self.model.named_parameters()), dict(enumerate(self.model.attention_layers()))
-        return ZeroMuonClip(
-            self.model, named, attention, lr=o.lr, weight_decay=o.weight_decay,
-            tau=o.qk_clip_tau if o.qk_clip_tau > 0 else None, momentum=o.momentum, nesterov=o.nesterov,
-            ns_steps=o.ns_steps, rms_scale=o.rms_scale, ns_dtype=getattr(torch, o.ns_dtype),
-            use_muon=o.optimizer == "muon", expert_names=self.expert_names,
-            dense_group=self.mesh.group("data"), expert_group=self.mesh.group("dp"),
-        )
+        return ZeroMuonClip(self.model, named, attention, **self.cfg.optim.muonclip_kwargs(),
+                            expert_names=self.expert_names, dense_group=self.mesh.group("data"),
+                            expert_group=self.mesh.group("dp"))
 
     def _build_train_loader(self) -> ShardedLoader:
         rows = self.cfg.train.batch_size * self.mesh.num_data_ranks  # the global micro-batch
