@@ -169,3 +169,11 @@ def test_preflight_check_runs_before_the_model_loads(tmp_path):
         run_eval("local:/no/such/checkpoint", ["rl:safety"], tmp_path)
     with pytest.raises(ValueError, match="pass@k"):
         run_eval("local:/no/such/checkpoint", ["humaneval"], tmp_path, ctx=EvalContext(samples_per_problem=2, k=3))
+
+
+def test_rl_task_names_with_a_level():
+    bench = registry.get("rl:arithmetic@3")
+    assert bench.name == "rl:arithmetic@3" and bench.difficulty == 3
+    assert registry.get("rl:arithmetic").difficulty is None
+    with pytest.raises(ValueError, match="whole number"):
+        registry.get("rl:arithmetic@x")

@@ -143,9 +143,10 @@ def test_config_errors_are_clear(tmp_path, micro_raw):
 def test_shipped_configs_parse():
     """Every file in configs/ parses with the loader of the command it is for (by its name's prefix)."""
     from openk2.agentic.synth_config import load_synth_config
+    from openk2.pipeline.config import load_pipeline_config
     from openk2.rl.config import load_rl_config
 
-    loaders = {"rl-": load_rl_config, "synth-": load_synth_config}
+    loaders = {"rl-": load_rl_config, "synth-": load_synth_config, "pipeline-": load_pipeline_config}
     root = Path(__file__).resolve().parents[2] / "configs"
     paths = sorted(root.glob("*.toml"))
     assert len(paths) >= 5

@@ -46,7 +46,8 @@ def eval_main(argv: list[str] | None = None) -> int:
 
         for name, description in describe():
             print(f"{name:24s} {description}")
-        print(f"{'rl:<task>':24s} any verifiable RL task on held-out seeds (see `openk2 rl-tasks list`)")
+        print(f"{'rl:<task>[@<level>]':24s} any verifiable RL task on held-out seeds, every difficulty in turn or "
+              "one (see `openk2 rl-tasks list`)")
         return 0
     if not args.model or not args.benchmarks:
         parser.error("--model and --benchmarks are required (or --list)")

@@ -1,6 +1,7 @@
 """Benchmark names -> `Benchmark` objects, imported lazily so `openk2 eval --list` stays cheap.
 
-`get("rl:<task>")` evaluates any registered verifiable RL task (`openk2.rl.tasks`) on held-out seeds.
+`get("rl:<task>")` evaluates any registered verifiable RL task (`openk2.rl.tasks`) on held-out seeds, at every
+difficulty in turn; `get("rl:<task>@<level>")` at one difficulty (the level an RL run trained on, say).
 Add your own with `register(name, factory)`.
 """
 
@@ -60,7 +61,11 @@ def get(name: str, **kwargs: Any) -> Benchmark:
     if name.startswith(_RL_PREFIX):
         from openk2.eval.tasks import TaskBenchmark
 
-        task = name[len(_RL_PREFIX):]
+        task, at, level = name[len(_RL_PREFIX):].partition("@")
+        if at:
+            if not level.isdigit():
+                raise ValueError(f"benchmark {name!r}: the difficulty after '@' must be a whole number")
+            kwargs = {"difficulty": int(level), **kwargs}
         return TaskBenchmark(task=task, bench_name=name, **kwargs)
     if name in _USER:
         return _USER[name](**kwargs)

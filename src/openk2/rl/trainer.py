@@ -78,7 +78,7 @@ class RLTrainer:
         seed = cfg.train.seed
         _seed_everything(seed)
         self.task = tasks.get(cfg.task.name)
-        self.eval_problems = _held_out(self.task, cfg.task.difficulties, cfg.task.eval_problems, seed)
+        self.eval_problems = held_out_problems(self.task, cfg.task.difficulties, cfg.task.eval_problems, seed)
         self.exclude = {p.prompt for p in self.eval_problems}
         self.ckpts = CheckpointManager(self.out_dir / "checkpoints", keep_last=cfg.train.keep_checkpoints)
         resume_from = self.ckpts.latest() if resume else None
@@ -310,7 +310,7 @@ def _pack_sequences(trajectories, pad_id: int) -> tuple[torch.Tensor, torch.Tens
     return ids, ids[:, 1:], mask
 
 
-def _held_out(task, difficulties: list[int], count: int, seed: int) -> list:
+def held_out_problems(task, difficulties: list[int], count: int, seed: int) -> list:
     """`count` distinct evaluation problems (a seed stream of their own)."""
     seen, out = set(), []
     stream = problems(task, difficulties, seed + 10_000, set())

@@ -203,10 +203,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+def merge_tables(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `override` on top, sub-tables merged key by key (a config file over the one it inherits)."""
     out = dict(base)
     for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        both_tables = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merge_tables(out[key], value) if both_tables else value
     return out
 
 
@@ -222,7 +224,7 @@ def read_toml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path} is not valid TOML: {err}") from None
     base = raw.pop("base", None)
-    return _merge(read_toml(path.parent / base, (*_seen, path)), raw) if base else raw
+    return merge_tables(read_toml(path.parent / base, (*_seen, path)), raw) if base else raw
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
