@@ -97,7 +97,7 @@ def _run_benchmark(bench: Benchmark, model: ChatModel | str, bench_dir: Path, se
             done[sample.id] = rec
             bar.update(1)
             scored = [r["score"] for r in done.values() if _finite(r["score"])]
-            if scored:
+            if scored and all(0.0 <= x <= 1.0 for x in scored):  # a running mean only where scores are rates
                 bar.set_postfix(mean=f"{sum(scored) / len(scored):.3f}")
 
         if concurrency == 1 or len(todo) <= 1:
