@@ -177,3 +177,22 @@ def test_rl_task_names_with_a_level():
     assert registry.get("rl:arithmetic").difficulty is None
     with pytest.raises(ValueError, match="whole number"):
         registry.get("rl:arithmetic@x")
+
+
+def test_unreachable_endpoint_is_not_scored_and_resumes(tmp_path):
+    """A refused connection is not the model's wrong answer: nothing is recorded (so a rerun scores those
+    samples) and the run stops early with a clear error, sequential or threaded."""
+    import socket
+
+    from openk2.llm.registry import load_chat_model
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = load_chat_model(f"openai:http://127.0.0.1:{port}/v1#none", max_retries=0, timeout=5)
+    with pytest.raises(ValueError, match="could not be reached.*rerun"):
+        run_eval(dead, ["toy-double"], tmp_path, progress=False)
+    assert read_records(tmp_path / "toy-double" / "samples.jsonl") == []
+    with pytest.raises(ValueError, match="could not be reached"):
+        run_eval(dead, ["toy-double"], tmp_path / "threads", concurrency=3, progress=False)
+    dead.close()

@@ -27,9 +27,11 @@ from tqdm import tqdm
 
 from openk2.eval import registry
 from openk2.eval.base import Aggregate, Benchmark, EvalContext, Sample, Verdict
+from openk2.eval.transport import TransportGuard, is_transport_error
 from openk2.llm.base import ChatModel
 
 ORACLE = "oracle"
+_UNREACHABLE_LIMIT = 3  # transport failures, with nothing scored yet, before a benchmark stops trying
 _SETTINGS_FILE = "settings.json"
 
 
@@ -85,11 +87,19 @@ def _run_benchmark(bench: Benchmark, model: ChatModel | str, bench_dir: Path, se
     _drop_partial_line(records_path)
     done = {rec["id"]: rec for rec in read_records(records_path)}
     todo = [s for s in samples if s.id not in done]
-    evaluate = _evaluator(bench, model, ctx)
+    guard = TransportGuard(model) if _is_remote(model) else None
+    evaluate = _evaluator(bench, guard or model, ctx)
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=bench.name, unit="sample",
                disable=not progress, dynamic_ncols=True)
+    unreachable: list[BaseException] = []  # transport failures: those samples stay unrecorded
+    scored_now = 0
     with open(records_path, "a", encoding="utf-8") as sink:
-        def record(sample: Sample, verdict: Verdict, seconds: float) -> None:
+        def record(sample: Sample, verdict: Verdict, seconds: float, failure: BaseException | None) -> None:
+            nonlocal scored_now
+            if failure is not None:
+                unreachable.append(failure)
+                return
+            scored_now += 1
             rec = {"id": sample.id, "score": verdict.score, "answer": verdict.answer, "detail": verdict.detail,
                    "model": settings["model"], "seed": ctx.sample_seed(sample.id), "seconds": round(seconds, 3)}
             sink.write(json.dumps(rec, default=str) + "\n")
@@ -100,15 +110,29 @@ def _run_benchmark(bench: Benchmark, model: ChatModel | str, bench_dir: Path, se
             if scored and all(0.0 <= x <= 1.0 for x in scored):  # a running mean only where scores are rates
                 bar.set_postfix(mean=f"{sum(scored) / len(scored):.3f}")
 
+        def endpoint_down() -> bool:
+            return len(unreachable) >= _UNREACHABLE_LIMIT and scored_now == 0
+
         if concurrency == 1 or len(todo) <= 1:
             for sample in todo:
+                if endpoint_down():
+                    break
                 record(sample, *evaluate(sample))
         else:
             with ThreadPoolExecutor(concurrency) as pool:
                 futures = {pool.submit(evaluate, s): s for s in todo}
                 for fut in as_completed(futures):
                     record(futures[fut], *fut.result())
+                    if endpoint_down():
+                        for other in futures:
+                            other.cancel()
+                        break
     bar.close()
+    if unreachable:
+        missing = sum(s.id not in done for s in samples)
+        raise ValueError(f"{bench.name}: the model could not be reached ({type(unreachable[0]).__name__}: "
+                         f"{unreachable[0]}); {missing} sample(s) left unscored, {len(samples) - missing} kept in "
+                         f"{records_path}: rerun the same command to score the rest")
     wanted = [done[s.id] for s in samples]
     verdicts = [Verdict(r["score"], r.get("answer"), r.get("detail") or {}) for r in wanted]
     scored = [v for v in verdicts if _finite(v.score)]
@@ -119,23 +143,38 @@ def _run_benchmark(bench: Benchmark, model: ChatModel | str, bench_dir: Path, se
     return bench.aggregate(scored) if scored else Aggregate(math.nan, math.nan, math.nan, 0)
 
 
-def _evaluator(bench: Benchmark, model: ChatModel | str, ctx: EvalContext) -> Callable[[Sample], tuple[Verdict, float]]:
+def _is_remote(model: ChatModel | str) -> bool:
+    from openk2.llm.openai_backend import OpenAIChatModel
+
+    return isinstance(model, OpenAIChatModel)
+
+
+_Outcome = tuple[Verdict, float, BaseException | None]
+
+
+def _evaluator(bench: Benchmark, model: ChatModel | str, ctx: EvalContext) -> Callable[[Sample], _Outcome]:
     """Scores one sample and times it; the oracle is built per sample, and a benchmark bug becomes a
-    recorded error rather than the end of the run (the record says which exception)."""
-    def evaluate(sample: Sample) -> tuple[Verdict, float]:
+    recorded error rather than the end of the run (the record says which exception). The third element is a
+    transport failure (an endpoint unreachable: the model's, or a user simulator's that a benchmark let
+    through), for which the verdict means nothing."""
+    def evaluate(sample: Sample) -> _Outcome:
         start = time.perf_counter()
+        failure: BaseException | None = None
         try:
             if model == ORACLE:
                 try:
                     chat_model = bench.oracle(sample)
                 except NotImplementedError as exc:
-                    return Verdict(math.nan, None, {"error": f"no oracle: {exc}"}), 0.0
+                    return Verdict(math.nan, None, {"error": f"no oracle: {exc}"}), 0.0, None
             else:
                 chat_model = model
             verdict = bench.evaluate(chat_model, sample, ctx)
         except Exception as exc:  # noqa: BLE001 - recorded per sample, see docstring
             verdict = Verdict(0.0, None, {"error": f"{type(exc).__name__}: {exc}"})
-        return verdict, time.perf_counter() - start
+            failure = exc if is_transport_error(exc) else None
+        if isinstance(model, TransportGuard):
+            failure = model.take_failure() or failure
+        return verdict, time.perf_counter() - start, failure
     return evaluate
 
 
