@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -27,12 +26,12 @@ from tqdm import tqdm
 
 from openk2.eval import registry
 from openk2.eval.base import Aggregate, Benchmark, EvalContext, Sample, Verdict
+from openk2.eval.records import atomic_write, claim_directory, drop_partial_line, read_records
 from openk2.eval.transport import TransportGuard, is_transport_error
 from openk2.llm.base import ChatModel
 
 ORACLE = "oracle"
 _UNREACHABLE_LIMIT = 3  # transport failures, with nothing scored yet, before a benchmark stops trying
-_SETTINGS_FILE = "settings.json"
 
 
 def run_eval(model: str | ChatModel, benchmarks: Sequence[str], out_dir: str | Path, *, limit: int | None = None,
@@ -81,10 +80,10 @@ def _settings(model_name: str, ctx: EvalContext, limit: int | None) -> dict[str,
 def _run_benchmark(bench: Benchmark, model: ChatModel | str, bench_dir: Path, settings: dict, ctx: EvalContext,
                    limit: int | None, concurrency: int, progress: bool) -> Aggregate:
     bench_dir.mkdir(parents=True, exist_ok=True)
-    _claim_directory(bench_dir, settings)
+    claim_directory(bench_dir, settings)
     samples = bench.samples(limit)
     records_path = bench_dir / "samples.jsonl"
-    _drop_partial_line(records_path)
+    drop_partial_line(records_path)
     done = {rec["id"]: rec for rec in read_records(records_path)}
     todo = [s for s in samples if s.id not in done]
     guard = TransportGuard(model) if _is_remote(model) else None
@@ -178,43 +177,6 @@ def _evaluator(bench: Benchmark, model: ChatModel | str, ctx: EvalContext) -> Ca
     return evaluate
 
 
-def _claim_directory(bench_dir: Path, settings: dict) -> None:
-    """Refuse to resume into records written under other settings (they would be silently mixed)."""
-    path = bench_dir / _SETTINGS_FILE
-    if path.exists():
-        previous = json.loads(path.read_text())
-        if previous != settings:
-            changed = sorted(k for k in set(previous) | set(settings) if previous.get(k) != settings.get(k))
-            raise ValueError(f"{bench_dir} holds records from a run with other settings ({', '.join(changed)}); "
-                             "use another --out directory or delete it")
-        return
-    _atomic_write(path, json.dumps(settings, indent=2))
-
-
-def read_records(path: str | Path) -> list[dict]:
-    """The records of a samples.jsonl; a line cut off by a crash (the last one) is ignored."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
-def _drop_partial_line(path: Path) -> None:
-    """Cut a record left half-written by a crash, so the next append starts on a line of its own."""
-    if not path.exists():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-
-
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
@@ -227,8 +189,8 @@ def _write_results(out: Path, benches: Sequence[Benchmark], results: dict[str, A
         agg = results[bench.name]
         table[bench.name] = {"metric": bench.metric, "higher_is_better": bench.higher_is_better, **asdict(agg)}
     payload = {"settings": settings, "benchmarks": table}
-    _atomic_write(out / "results.json", json.dumps(payload, indent=2, default=_json_nan))
-    _atomic_write(out / "summary.md", format_table(payload, title=f"model `{settings['model']}`"))
+    atomic_write(out / "results.json", json.dumps(payload, indent=2, default=_json_nan))
+    atomic_write(out / "summary.md", format_table(payload, title=f"model `{settings['model']}`"))
 
 
 def _json_nan(x: Any) -> Any:
@@ -294,9 +256,3 @@ def _fmt(x: Any) -> str:
     if not math.isfinite(x):
         return "n/a"
     return f"{x:.3f}" if abs(x) < 1000 else f"{x:.1f}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from openk2.eval.base import Aggregate, wilson_interval
+from openk2.eval.records import atomic_write
 from openk2.eval.redteam.strategies import STRATEGIES
 
 RESULTS_FILE = "results.json"
@@ -50,8 +51,8 @@ def write_report(out: Path, records: Sequence[dict], plugins: Sequence[str], str
     """Write results.json, table.md and (unless `heatmap` is False) heatmap.png for `records` into `out`;
     returns the results payload."""
     payload = {"settings": settings, "errors": errors, **summarise(records, plugins, strategies)}
-    _atomic_write(out / RESULTS_FILE, json.dumps(payload, indent=2, default=str))
-    _atomic_write(out / TABLE_FILE, format_table(payload))
+    atomic_write(out / RESULTS_FILE, json.dumps(payload, indent=2, default=str))
+    atomic_write(out / TABLE_FILE, format_table(payload))
     if heatmap:
         plot_heatmap(payload, out / HEATMAP_FILE)
     return payload
@@ -116,9 +117,3 @@ def plot_heatmap(payload: dict[str, Any], path: Path) -> Path:
     plt.close(fig)
     os.replace(tmp, path)
     return path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

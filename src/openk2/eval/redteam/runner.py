@@ -29,13 +29,12 @@ from typing import Any
 from tqdm import tqdm
 
 from openk2.eval.base import EvalContext
-from openk2.eval.harness import read_records
+from openk2.eval.records import claim_directory, drop_partial_line, read_records
 from openk2.eval.redteam.plugins import Goal, goals_for, plugin_names
 from openk2.eval.redteam.report import write_report
 from openk2.eval.redteam.strategies import AttackSettings, Roles, get_strategy, strategy_names
 
 ATTEMPTS_FILE = "attempts.jsonl"
-SETTINGS_FILE = "settings.json"
 
 
 @dataclass(frozen=True)
@@ -102,9 +101,9 @@ def run_redteam(roles: Roles, out_dir: str | Path, *, plugins: Sequence[str] | N
     out.mkdir(parents=True, exist_ok=True)
     run_settings = {"target": _name(roles.target), "attacker": _name(roles.attacker), "judge": _name(roles.judge),
                     "seed": seed, **asdict(settings)}
-    _claim_directory(out, run_settings)
+    claim_directory(out, run_settings)
     path = out / ATTEMPTS_FILE
-    _drop_partial_line(path)
+    drop_partial_line(path)
     done = {r["id"]: r for r in read_records(path) if r.get("verdict") is not None}
     todo = [s for s in specs if s.id not in done]
     bar = tqdm(total=len(specs), initial=len(specs) - len(todo), desc="redteam", unit="attempt",
@@ -139,27 +138,3 @@ def run_redteam(roles: Roles, out_dir: str | Path, *, plugins: Sequence[str] | N
 
 def _name(model: Any) -> str:
     return str(getattr(model, "name", type(model).__name__))
-
-
-def _claim_directory(out: Path, settings: dict[str, Any]) -> None:
-    """Refuse to resume into records made with other models or settings."""
-    path = out / SETTINGS_FILE
-    if path.exists():
-        previous = json.loads(path.read_text())
-        if previous != settings:
-            changed = sorted(k for k in set(previous) | set(settings) if previous.get(k) != settings.get(k))
-            raise ValueError(f"{out} holds attempts from a run with other settings ({', '.join(changed)}); "
-                             "use another --out directory or delete it")
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(settings, indent=2))
-    os.replace(tmp, path)
-
-
-def _drop_partial_line(path: Path) -> None:
-    """Cut a record left half-written by a crash, so the next append starts on a line of its own."""
-    if path.exists():
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            with open(path, "r+b") as f:
-                f.truncate(data.rfind(b"\n") + 1)
