@@ -23,6 +23,7 @@ from openk2.eval.bfcl import (  # noqa: E402
 )
 from openk2.eval.bfcl_schema import tool_name, tools_for  # noqa: E402
 from openk2.llm.base import ChatModel, ChatResponse  # noqa: E402
+from tests.infer import test_server as _srv  # noqa: E402
 
 CTX = EvalContext(seed=3, max_tokens=64)
 
@@ -205,28 +206,14 @@ def _all_schemas(schema: dict):
         yield from _all_schemas(schema["items"])
 
 
+checkpoint = _srv.checkpoint  # a random tiny K2 with a trained tokenizer, shared with the server tests
+
+
 @pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory):
-    """A random-init tiny K2 behind `LocalChatModel`, with a small tokenizer trained here (K2 special tokens)."""
-    import torch
-
-    from openk2.config import ModelConfig
-    from openk2.data.mathgen import math_documents
-    from openk2.data.tokenizer import train_tokenizer
+def tiny_chat_model(checkpoint):
     from openk2.llm.local import LocalChatModel
-    from openk2.model import K2ForCausalLM
 
-    out = tmp_path_factory.mktemp("bfcl") / "tiny-k2"
-    texts = list(math_documents(seed=0, count=200)) + ['{"name": "calculate_area", "base": 10}'] * 20
-    tokenizer = train_tokenizer(texts, vocab_size=768)
-    cfg = ModelConfig.preset("tiny").replace(
-        vocab_size=768, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=8, n_routed_experts=8)
-    torch.manual_seed(0)
-    K2ForCausalLM(cfg).save_pretrained(out)
-    tokenizer.save(out)
-    return LocalChatModel(out, max_seq_len=4096, device="cpu", dtype="float32")
+    return LocalChatModel(checkpoint, max_seq_len=4096, device="cpu", dtype="float32")
 
 
 @pytest.mark.slow
