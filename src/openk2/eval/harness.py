@@ -91,26 +91,29 @@ def _run_benchmark(bench: Benchmark, model: ChatModel | str, bench_dir: Path, se
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=bench.name, unit="sample",
                disable=not progress, dynamic_ncols=True)
     unreachable: list[BaseException] = []  # transport failures: those samples stay unrecorded
-    scored_now = 0
+    resumed = len(done)
+    finite = [r["score"] for r in done.values() if _finite(r["score"])]
+    running = {"sum": sum(finite), "n": len(finite), "rates": all(0.0 <= x <= 1.0 for x in finite)}
     with open(records_path, "a", encoding="utf-8") as sink:
         def record(sample: Sample, verdict: Verdict, seconds: float, failure: BaseException | None) -> None:
-            nonlocal scored_now
             if failure is not None:
                 unreachable.append(failure)
                 return
-            scored_now += 1
             rec = {"id": sample.id, "score": verdict.score, "answer": verdict.answer, "detail": verdict.detail,
                    "model": settings["model"], "seed": ctx.sample_seed(sample.id), "seconds": round(seconds, 3)}
             sink.write(json.dumps(rec, default=str) + "\n")
             sink.flush()
             done[sample.id] = rec
             bar.update(1)
-            scored = [r["score"] for r in done.values() if _finite(r["score"])]
-            if scored and all(0.0 <= x <= 1.0 for x in scored):  # a running mean only where scores are rates
-                bar.set_postfix(mean=f"{sum(scored) / len(scored):.3f}")
+            if _finite(verdict.score):
+                running["sum"] += verdict.score
+                running["n"] += 1
+                running["rates"] &= 0.0 <= verdict.score <= 1.0
+            if running["n"] and running["rates"]:  # a running mean only where scores are rates
+                bar.set_postfix(mean=f"{running['sum'] / running['n']:.3f}")
 
         def endpoint_down() -> bool:
-            return len(unreachable) >= _UNREACHABLE_LIMIT and scored_now == 0
+            return len(unreachable) >= _UNREACHABLE_LIMIT and len(done) == resumed
 
         if concurrency == 1 or len(todo) <= 1:
             for sample in todo:
@@ -189,12 +192,8 @@ def _write_results(out: Path, benches: Sequence[Benchmark], results: dict[str, A
         agg = results[bench.name]
         table[bench.name] = {"metric": bench.metric, "higher_is_better": bench.higher_is_better, **asdict(agg)}
     payload = {"settings": settings, "benchmarks": table}
-    atomic_write(out / "results.json", json.dumps(payload, indent=2, default=_json_nan))
+    atomic_write(out / "results.json", json.dumps(payload, indent=2, default=str))
     atomic_write(out / "summary.md", format_table(payload, title=f"model `{settings['model']}`"))
-
-
-def _json_nan(x: Any) -> Any:
-    return str(x)
 
 
 def load_results(run_dir: str | Path) -> dict:
