@@ -26,8 +26,9 @@ from tqdm import tqdm
 
 from openk2.eval import registry
 from openk2.eval.base import Aggregate, Benchmark, EvalContext, Sample, Verdict
-from openk2.eval.records import atomic_write, claim_directory, drop_partial_line, read_records
+from openk2.eval.records import claim_directory, drop_partial_line, read_records
 from openk2.eval.transport import TransportGuard, is_transport_error
+from openk2.fileio import atomic_write_text
 from openk2.llm.base import ChatModel
 
 ORACLE = "oracle"
@@ -192,8 +193,8 @@ def _write_results(out: Path, benches: Sequence[Benchmark], results: dict[str, A
         agg = results[bench.name]
         table[bench.name] = {"metric": bench.metric, "higher_is_better": bench.higher_is_better, **asdict(agg)}
     payload = {"settings": settings, "benchmarks": table}
-    atomic_write(out / "results.json", json.dumps(payload, indent=2, default=str))
-    atomic_write(out / "summary.md", format_table(payload, title=f"model `{settings['model']}`"))
+    atomic_write_text(out / "results.json", json.dumps(payload, indent=2, default=str))
+    atomic_write_text(out / "summary.md", format_table(payload, title=f"model `{settings['model']}`"))
 
 
 def load_results(run_dir: str | Path) -> dict:

@@ -8,9 +8,10 @@ records were made under, so a rerun never mixes records of two configurations.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from openk2.fileio import atomic_write_text
 
 SETTINGS_FILE = "settings.json"
 
@@ -49,11 +50,4 @@ def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
             raise ValueError(f"{directory} holds records from a run with other settings ({', '.join(changed)}); "
                              "use another --out directory or delete it")
         return
-    atomic_write(path, json.dumps(settings, indent=2))
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file, so a reader never sees half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(settings, indent=2))

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from openk2.fileio import atomic_write_text
 from openk2.pipeline.runner import LOG_FILE
 from openk2.pipeline.stages import Stage
 
@@ -186,11 +187,7 @@ def write_report(out: Path, stages: list[Stage]) -> Path:
 
     lines += _training_section(out, stages)
     lines += _eval_section(out, stages)
-    path = out / REPORT_FILE
-    tmp = out / f".{REPORT_FILE}.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(out / REPORT_FILE, "\n".join(lines) + "\n")
 
 
 def _training_section(out: Path, stages: list[Stage]) -> list[str]:

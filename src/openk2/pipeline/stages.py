@@ -22,7 +22,6 @@ import copy
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from openk2.fileio import atomic_write_text
 from openk2.pipeline import toml_writer
 from openk2.pipeline.config import PipelineConfig
 from openk2.train.checkpoint import CheckpointManager
@@ -79,10 +79,7 @@ class Stage:
 
 
 def write_json_atomic(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -100,12 +97,7 @@ def _with_threads(raw: dict[str, Any], threads: int) -> dict[str, Any]:
 
 
 def _write_stage_config(directory: Path, raw: dict[str, Any]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / STAGE_CONFIG
-    tmp = directory / f".{STAGE_CONFIG}.tmp"
-    tmp.write_text(toml_writer.dumps(raw))
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(directory / STAGE_CONFIG, toml_writer.dumps(raw))
 
 
 def _finished(directory: Path, stage: str, total: int) -> Path:

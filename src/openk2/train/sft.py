@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from openk2.data.conversations import (
     write_conversations,
 )
 from openk2.data.unigram import unigram_baseline
+from openk2.fileio import atomic_write_text
 from openk2.model import K2ForCausalLM
 from openk2.train.checkpoint import CheckpointManager, verify_checkpoint
 from openk2.train.config import RunConfig, load_run_config
@@ -162,9 +162,7 @@ class SFTTrainer(Trainer):
 
 
 def _write_json(path: Path, record: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(record, indent=2))
 
 
 def sft_main(argv: list[str] | None = None) -> int:

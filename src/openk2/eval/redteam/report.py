@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from openk2.eval.base import Aggregate, wilson_interval
-from openk2.eval.records import atomic_write
 from openk2.eval.redteam.strategies import STRATEGIES
+from openk2.fileio import atomic_write_text
 
 RESULTS_FILE = "results.json"
 TABLE_FILE = "table.md"
@@ -51,8 +51,8 @@ def write_report(out: Path, records: Sequence[dict], plugins: Sequence[str], str
     """Write results.json, table.md and (unless `heatmap` is False) heatmap.png for `records` into `out`;
     returns the results payload."""
     payload = {"settings": settings, "errors": errors, **summarise(records, plugins, strategies)}
-    atomic_write(out / RESULTS_FILE, json.dumps(payload, indent=2, default=str))
-    atomic_write(out / TABLE_FILE, format_table(payload))
+    atomic_write_text(out / RESULTS_FILE, json.dumps(payload, indent=2, default=str))
+    atomic_write_text(out / TABLE_FILE, format_table(payload))
     if heatmap:
         plot_heatmap(payload, out / HEATMAP_FILE)
     return payload
