@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon_impl
 
-from openk2.optim.muon import NS_COEFFICIENTS, Muon, zeropower_via_newtonschulz5
+from openk2.optim.muon import NS_COEFFICIENTS, Muon, apply_muon_update, muon_momentum, zeropower_via_newtonschulz5
 
 MU = 0.95
 
@@ -209,6 +209,56 @@ def test_newton_schulz_rejects_bad_input():
         zeropower_via_newtonschulz5(torch.randn(2, 2, 4, 4))
     with pytest.raises(ValueError):
         zeropower_via_newtonschulz5(torch.randn(4, 4), steps=-1)
+
+
+# --- the shared update rule (Muon and ZeroMuonClip) ------------------------------------------------
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_momentum_follows_formula_and_writes_into_out(nesterov):
+    """M <- mu M + G in place; the direction G + mu M (or M) lands in the given, even transposed, views."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(6, 10), (10, 6)]
+    bufs = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]  # non-zero: mu M matters
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    expected_bufs = [MU * m + g for m, g in zip(bufs, grads, strict=True)]
+    expected = [g + MU * m if nesterov else m for g, m in zip(grads, expected_bufs, strict=True)]
+    batch = torch.full((2, 6, 10), float("nan"), dtype=torch.float64)
+    out = muon_momentum(bufs, grads, MU, nesterov=nesterov, out=[batch[0], batch[1].mT])
+    assert out[0].data_ptr() == batch[0].data_ptr() and out[1].data_ptr() == batch[1].data_ptr()
+    for buf, m, d, e in zip(bufs, expected_bufs, out, expected, strict=True):
+        torch.testing.assert_close(buf, m)
+        torch.testing.assert_close(d, e)
+    torch.testing.assert_close(batch[1], expected[1].T)
+    fresh = muon_momentum([torch.ones(3, 4)], [torch.full((3, 4), 2.0)], 0.5, nesterov=nesterov)[0]
+    assert torch.equal(fresh, torch.full((3, 4), 2.0 + 0.5 * 2.5 if nesterov else 2.5))
+
+
+@pytest.mark.parametrize("weight_decay", [0.1, 0.0])
+def test_apply_muon_update_follows_formula(weight_decay):
+    """W <- (1 - lr wd) W - lr * 0.2 * sqrt(max(n, m)) * O, for whole matrices, bf16 ones and flat slices."""
+    lr, rms = 0.03, 0.2
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(48, 16, generator=gen)  # tall: the scale uses n = 48, not m
+    O = torch.randn(48, 16, generator=gen)
+    W16 = W.to(torch.bfloat16)
+    flat = torch.randn(100, generator=gen)  # a ZeRO-style slice: elements 20..60 hold part of a 48 x 16 matrix
+    flat0 = flat.clone()
+    expected = (1 - lr * weight_decay) * W.double() - lr * rms * math.sqrt(48) * O.double()
+    expected16 = ((1 - lr * weight_decay) * W16.float() - lr * rms * math.sqrt(48) * O).to(torch.bfloat16)
+    piece = O.reshape(-1)[100:140]  # the part of the matrix's O that the slice holds
+    expected_flat = (1 - lr * weight_decay) * flat0[20:60].double() - lr * rms * math.sqrt(48) * piece.double()
+    apply_muon_update([W, W16, flat[20:60]], [O, O, piece], lr=lr, weight_decay=weight_decay,
+                      rms_scale=rms, shape=(48, 16))
+    torch.testing.assert_close(W.double(), expected)
+    assert W16.dtype == torch.bfloat16
+    torch.testing.assert_close(W16, expected16, rtol=0, atol=0)
+    torch.testing.assert_close(flat[20:60].double(), expected_flat)
+    assert torch.equal(flat[:20], flat0[:20]) and torch.equal(flat[60:], flat0[60:])
+    # An expert stack [E, n, m] is scaled by its matrices' max(n, m), not by E.
+    E = torch.zeros(64, 8, 16)
+    apply_muon_update([E], [torch.ones_like(E)], lr=1.0, weight_decay=0.0, rms_scale=rms, shape=E.shape)
+    torch.testing.assert_close(E, torch.full_like(E, -rms * 4.0))
 
 
 # --- update size ------------------------------------------------------------------------------------

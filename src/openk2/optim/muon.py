@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Muon", "zeropower_via_newtonschulz5"]
+__all__ = ["Muon", "apply_muon_update", "muon_momentum", "zeropower_via_newtonschulz5"]
 
 # Quintic coefficients from Keller Jordan's Muon; they maximise the slope at zero, so small singular
 # values grow fast, at the price of the iteration oscillating around 1 instead of converging to it.
@@ -208,11 +208,6 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return
 
-        mu = group["momentum"]
-        torch._foreach_mul_(bufs, mu)
-        torch._foreach_add_(bufs, grads)
-        nesterov_mu = mu if group["nesterov"] else None
-
         # One Newton-Schulz batch per (device, small side, large side): tall matrices are transposed
         # in, so e.g. experts' down_proj [E, H, I] joins gate/up [E, I, H] in the same batch.
         buckets: dict[tuple[torch.device, int, int], list[int]] = defaultdict(list)
@@ -221,24 +216,18 @@ class Muon(torch.optim.Optimizer):
             buckets[(p.device, min(n, m), max(n, m))].append(i)
 
         ns_dtype = group["ns_dtype"]
-        lr, wd = group["lr"], group["weight_decay"]
         for (device, small, big), idx in buckets.items():
             emulate = group["ns_emulate"]
             if emulate is None:
                 emulate = _emulate_by_default(device, ns_dtype)
             members = [params[i] for i in idx]
             stacked = torch.empty(_batch_size(members), small, big, dtype=torch.float32, device=device)
-            # Nesterov's G + mu M is written straight into the batch: no per-matrix temporaries.
-            for i, view in zip(idx, _param_views(stacked, members), strict=True):
-                if nesterov_mu is None:
-                    view.copy_(bufs[i])
-                else:
-                    torch.add(grads[i], bufs[i], alpha=nesterov_mu, out=view)
+            # The momentum directions are written straight into the batch: no per-matrix temporaries.
+            muon_momentum([bufs[i] for i in idx], [grads[i] for i in idx], group["momentum"],
+                          nesterov=group["nesterov"], out=_param_views(stacked, members))
             ortho = _newton_schulz(stacked, group["ns_steps"], ns_dtype, emulate, overwrite=True).float()
-            # sqrt(max(n, m)) * rms_scale turns the ~unit-singular-value O (RMS 1/sqrt(max)) into an
-            # update with RMS ~rms_scale, matching AdamW's typical update RMS (Moonlight, arXiv:2502.16982).
-            alpha = -lr * group["rms_scale"] * math.sqrt(big)
-            _apply_update(members, _param_views(ortho, members), 1.0 - lr * wd, alpha)
+            apply_muon_update(members, _param_views(ortho, members), lr=group["lr"],
+                              weight_decay=group["weight_decay"], rms_scale=group["rms_scale"], shape=(small, big))
 
 
 def _batch_size(params: list[Tensor]) -> int:
@@ -260,8 +249,50 @@ def _param_views(batch: Tensor, params: list[Tensor]) -> list[Tensor]:
     return out
 
 
-def _apply_update(params: list[Tensor], deltas: list[Tensor], decay: float, alpha: float) -> None:
-    """W <- decay * W + alpha * delta, computed in fp32 and cast back for low-precision parameters."""
+def muon_momentum(
+    bufs: list[Tensor],
+    grads: list[Tensor],
+    momentum: float,
+    *,
+    nesterov: bool = True,
+    out: list[Tensor] | None = None,
+) -> list[Tensor]:
+    """Muon's momentum step: M <- mu M + G in place; returns what to orthogonalise, G + mu M or (nesterov=False) M.
+
+    `bufs` and `grads` pair up tensor for tensor (any shape, fp32); the directions are written into `out`
+    (e.g. views of a Newton-Schulz batch) when given, else into fresh tensors. The buffers keep mu M + G.
+    """
+    torch._foreach_mul_(bufs, momentum)
+    torch._foreach_add_(bufs, grads)
+    if out is None:
+        out = [torch.empty_like(buf) for buf in bufs]
+    for direction, grad, buf in zip(out, grads, bufs, strict=True):
+        if nesterov:
+            torch.add(grad, buf, alpha=momentum, out=direction)
+        else:
+            direction.copy_(buf)
+    return out
+
+
+def apply_muon_update(
+    params: list[Tensor],
+    orthos: list[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    rms_scale: float,
+    shape: tuple[int, ...],
+) -> None:
+    """W <- (1 - lr wd) W - lr * rms_scale * sqrt(max(n, m)) * O for every (W, O) pair, in place.
+
+    `orthos` are the Newton-Schulz outputs (fp32) for matrices of `shape` (..., n, m); a W may be a whole
+    parameter or any piece of one (a ZeRO slice) as long as its O is the matching piece. Decoupled weight
+    decay; the sqrt(max(n, m)) * rms_scale factor turns the ~unit-singular-value O (RMS 1/sqrt(max)) into an
+    update with RMS ~rms_scale, matching AdamW's typical update RMS (Moonlight, arXiv:2502.16982). Low-precision
+    W are updated in fp32 and rounded once.
+    """
+    decay = 1.0 - lr * weight_decay
+    alpha = -lr * rms_scale * math.sqrt(max(shape[-2:]))
     wide = (torch.float32, torch.float64)
     in_place = [i for i, p in enumerate(params) if p.dtype in wide]
     low = [i for i, p in enumerate(params) if p.dtype not in wide]
@@ -269,10 +300,10 @@ def _apply_update(params: list[Tensor], deltas: list[Tensor], decay: float, alph
         targets = [params[i] for i in in_place]
         if decay != 1.0:
             torch._foreach_mul_(targets, decay)
-        torch._foreach_add_(targets, [deltas[i] for i in in_place], alpha=alpha)
+        torch._foreach_add_(targets, [orthos[i] for i in in_place], alpha=alpha)
     if low:
         work = [params[i].float() for i in low]
         if decay != 1.0:
             torch._foreach_mul_(work, decay)
-        torch._foreach_add_(work, [deltas[i] for i in low], alpha=alpha)
+        torch._foreach_add_(work, [orthos[i] for i in low], alpha=alpha)
         torch._foreach_copy_([params[i] for i in low], work)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from openk2.optim.muon import zeropower_via_newtonschulz5
+from openk2.optim.muon import apply_muon_update, muon_momentum, zeropower_via_newtonschulz5
 from openk2.optim.muonclip import ClipStats
 from openk2.optim.param_groups import ADAMW_BETAS, ADAMW_EPS, MuonFilter, default_muon_filter
 from openk2.optim.qk_clip import QKClip, reduce_max_logits
@@ -253,16 +253,15 @@ class ZeroMuonClip:
         return slice_param.detach()
 
     def _muon_update(self, b: _Bucket, values: torch.Tensor) -> None:
-        buf = self.momentum_buffers[b.name]
-        buf.mul_(self.momentum).add_(b.grad)
-        nesterov = b.grad.add(buf, alpha=self.momentum) if self.nesterov else buf.clone()
-        full = b.shard.all_gather(nesterov)
-        decay = 1.0 - self.lr * self.weight_decay
+        """Muon's rule (openk2.optim.muon) on this rank's slice; only Newton-Schulz sees the full matrices."""
+        (direction,) = muon_momentum([self.momentum_buffers[b.name]], [b.grad], self.momentum,
+                                     nesterov=self.nesterov)
+        full = b.shard.all_gather(direction)
         for piece, ortho in self._orthogonalise_overlapping(b.shard, full):
-            big = max(b.shard.params[piece.index].shape[-2:])
-            alpha = -self.lr * self.rms_scale * math.sqrt(big)  # Moonlight's RMS matching, as in Muon
             target = values[piece.shard_offset:piece.shard_offset + piece.stop - piece.start]
-            target.mul_(decay).add_(ortho.reshape(-1)[piece.start:piece.stop], alpha=alpha)
+            apply_muon_update([target], [ortho.reshape(-1)[piece.start:piece.stop]], lr=self.lr,
+                              weight_decay=self.weight_decay, rms_scale=self.rms_scale,
+                              shape=b.shard.params[piece.index].shape)
 
     def _orthogonalise_overlapping(self, shard: FlatShard, full: torch.Tensor):
         """Newton-Schulz on each full matrix that overlaps this rank's slice, batched by shape."""
