@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from openk2.chat.template import render
 from openk2.config import ModelConfig
 from openk2.data import toolchat
 from openk2.data.conversations import (
@@ -23,7 +24,6 @@ from openk2.data.conversations import (
 )
 from openk2.data.packing import IGNORE_INDEX
 from openk2.data.tokenizer import train_tokenizer
-from openk2.infer.chat import render
 from openk2.model import K2ForCausalLM
 
 TOOL_CONVERSATION = {

@@ -114,7 +114,7 @@ def test_step_limit(entry0):
 
 def test_results_are_fed_back_and_runs_are_isolated(bench, entry0):
     """Also renders every prompt with K2's chat template, as a local model would (call ids, tool messages)."""
-    from openk2.infer.chat import render
+    from openk2.chat.template import render
 
     config = copy.deepcopy(entry0.data["initial_config"])
     seen: list[list[dict]] = []

@@ -10,11 +10,11 @@ import pytest
 import tomli_w
 import torch
 
+from openk2.chat.template import render
 from openk2.cli import main as cli_main
 from openk2.config import ModelConfig
 from openk2.data import toolchat
 from openk2.data.tokenizer import train_tokenizer
-from openk2.infer.chat import render
 from openk2.model import K2ForCausalLM
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import load_run_config

@@ -317,7 +317,7 @@ class SynthPipeline:
 
 
 def sft_record(trajectory: dict, task: dict, judgement: Judgement) -> dict:
-    """One SFT line: OpenAI messages + tools (renderable by `openk2.infer.chat.render`) and where it came from."""
+    """One SFT line: OpenAI messages + tools (renderable by `openk2.chat.template.render`) and where it came from."""
     return {"messages": trajectory["messages"], "tools": trajectory["tools"],
             "meta": {"trajectory_id": trajectory["trajectory_id"], "task_id": trajectory["task_id"],
                      "agent_id": trajectory["agent_id"], "difficulty": task.get("difficulty"),

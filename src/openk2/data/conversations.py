@@ -1,7 +1,7 @@
 """Chat / tool-use conversations for supervised fine-tuning: JSONL in, packed rows with assistant-only labels out.
 
 A conversation is one JSON object {"messages": [...OpenAI messages...], "tools": [...optional function
-specs...]}. It is rendered with K2's chat template (`openk2.infer.chat.render_with_mask`) and tokenised
+specs...]}. It is rendered with K2's chat template (`openk2.chat.template.render_with_mask`) and tokenised
 segment by segment, so the loss mask is exact: an assistant turn's content, tool-call section and closing
 `<|im_end|>` are trained on, everything else (system, user, tool results, role headers) is context only.
 Segments are encoded with special tokens enabled, as prompts are at inference, so every template marker is
@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from openk2.chat.template import Segment, render_with_mask
 from openk2.data.packing import IGNORE_INDEX
 from openk2.data.tokenizer import K2Tokenizer
-from openk2.infer.chat import Segment, render_with_mask
 
 OVERLONG_POLICIES = ("truncate", "skip")
 PAD_SEGMENT = -1

@@ -79,7 +79,7 @@ class ChatMessage(BaseModel):
         return v
 
     def to_template(self) -> dict:
-        """The dict `openk2.infer.chat.render` takes (`developer` is rendered as `system`)."""
+        """The dict `openk2.chat.template.render` takes (`developer` is rendered as `system`)."""
         d = self.model_dump(exclude_none=True)
         if d["role"] == "developer":
             d["role"] = "system"

@@ -28,14 +28,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openk2.infer.chat import parse_assistant, render
+from openk2.chat import ChatFormat, ChatFormatError
+from openk2.chat.tool_parsers import DeltaMessage
 from openk2.infer.protocol import (
     ChatCompletionRequest,
     ModelCard,
     ModelList,
 )
-from openk2.infer.tool_parsers import get_tool_parser
-from openk2.infer.tool_parsers.kimi_k2 import ARGUMENT_BEGIN, CALL_BEGIN, SECTION_BEGIN
 
 log = logging.getLogger("openk2.serve")
 
@@ -194,10 +193,7 @@ class ChatService:
         self.max_tokens_limit = max_tokens_limit
         self.max_seq_len = int(getattr(engine, "max_seq_len", 1 << 30))
         self.loop = EngineLoop(engine)
-        self.parser_cls = get_tool_parser(tool_parser)
-        sid = tokenizer.special_ids
-        self.im_end_id = sid["<|im_end|>"]
-        self.section_begin_id = sid[SECTION_BEGIN]
+        self.format = ChatFormat(tokenizer, tool_parser)
         self.created = int(time.time())
 
     # -- request -> engine
@@ -211,26 +207,13 @@ class ChatService:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choice = req.tool_choice
-        prefix = ""
-        stop_ids = [self.im_end_id]
-        if choice is not None and choice != "none" and choice != "auto" and not tools:
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        if choice == "none":
-            tools = None  # not declared; a call the model starts anyway ends the sample (stop token)
-            stop_ids.append(self.section_begin_id)
-        elif choice == "required":
-            prefix = f"{SECTION_BEGIN}{CALL_BEGIN}functions."
-        elif choice is not None and choice != "auto":
-            name = choice.function.name
-            if name not in {t["function"]["name"] for t in tools}:
-                raise APIError(400, f"tool_choice names function {name!r}, which is not in tools",
-                               param="tool_choice")
-            prefix = f"{SECTION_BEGIN}{CALL_BEGIN}functions.{name}:0{ARGUMENT_BEGIN}"
+        if choice is not None and not isinstance(choice, str):
+            choice = choice.model_dump()
         try:
-            text = render([m.to_template() for m in req.messages], tools=tools, add_generation_prompt=True)
-        except ValueError as err:
-            raise APIError(400, str(err), param="messages") from err
-        prompt = self.tokenizer.encode(text + prefix, allow_special=True)
+            prepared = self.format.prepare([m.to_template() for m in req.messages], tools, choice)
+        except ChatFormatError as err:
+            raise APIError(400, str(err), param=err.param) from err
+        prompt = prepared.token_ids
         room = self.max_seq_len - len(prompt)
         asked = req.requested_max_tokens()
         if asked is not None and asked > self.max_tokens_limit:
@@ -242,10 +225,10 @@ class ChatService:
                            f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, "
                            f"{max_tokens} in the completion).", param="messages", code="context_length_exceeded")
         try:
-            params = SamplingParams(**req.to_sampling_params(max_tokens, tuple(stop_ids)))
+            params = SamplingParams(**req.to_sampling_params(max_tokens, prepared.stop_token_ids))
         except ValueError as err:
             raise APIError(400, str(err)) from err
-        return _Prepared(req, prompt, prefix, params, req.stop_list())
+        return _Prepared(req, prompt, prepared.prefix, params, req.stop_list())
 
     def submit(self, prep: _Prepared, request_id: str) -> _Sink:
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), prep.params.n, prep.request.stream)
@@ -253,18 +236,6 @@ class ChatService:
         return sink
 
     # -- engine -> response
-    def final_tokens(self, result: Any) -> tuple[list[int], list[float]]:
-        """The generated ids and logprobs without a closing stop token (<|im_end|>, eos, ...)."""
-        ids, lps = list(result.token_ids), list(result.logprobs)
-        if result.finish_reason == "stop" and isinstance(result.stop_reason, int) and ids:
-            ids, lps = ids[:-1], lps[:-1]
-        return ids, lps
-
-    def final_text(self, result: Any) -> str:
-        if isinstance(result.stop_reason, str) and result.text is not None:
-            return result.text  # the engine already cut it before the stop string
-        return self.tokenizer.decode(self.final_tokens(result)[0])
-
     def logprob_entries(self, ids: Sequence[int], lps: Sequence[float]) -> list[dict]:
         out = []
         for t, lp in zip(ids, lps, strict=True):
@@ -277,15 +248,15 @@ class ChatService:
         completion_tokens = 0
         for r in sorted(results, key=lambda r: r.sample_index):
             completion_tokens += len(r.token_ids)
-            content, calls = parse_assistant(prep.prefix + self.final_text(r))
-            message: dict[str, Any] = {"content": content if content or not calls else None,
-                                       "refusal": None, "role": "assistant"}
-            if calls:
-                message["tool_calls"] = [{k: v for k, v in c.items() if k != "error"} for c in calls]
-            choice: dict[str, Any] = {"finish_reason": "tool_calls" if calls else r.finish_reason,
+            reply = self.format.finish(r, prep.prefix)
+            message: dict[str, Any] = {"content": reply.content, "refusal": None, "role": "assistant"}
+            if reply.tool_calls:
+                message["tool_calls"] = reply.tool_calls
+            choice: dict[str, Any] = {"finish_reason": reply.finish_reason,
                                       "index": r.sample_index, "logprobs": None, "message": message}
             if prep.request.logprobs:
-                choice["logprobs"] = {"content": self.logprob_entries(*self.final_tokens(r)), "refusal": None}
+                entries = self.logprob_entries(*self.format.completion_tokens(r))
+                choice["logprobs"] = {"content": entries, "refusal": None}
             choices.append(choice)
         return {"id": request_id, "choices": choices, "created": int(time.time()), "model": self.model_name,
                 "object": "chat.completion", "system_fingerprint": None,
@@ -333,7 +304,7 @@ class ChatService:
             return {"index": i, "delta": d, "finish_reason": None,
                     "logprobs": {"content": lp, "refusal": None} if lp else None}
 
-        states = [{"ids": [], "lps": [], "emitted": 0, "parser": self.parser_cls(), "calls": False}
+        states = [{"ids": [], "lps": [], "emitted": 0, "parser": self.format.stream_parser(), "calls": False}
                   for _ in range(sink.n)]
         completion_tokens = 0
         done = 0
@@ -368,7 +339,7 @@ class ChatService:
                     piece = text[st["emitted"]:safe] if safe > st["emitted"] else ""
                     st["emitted"] = max(st["emitted"], safe)
                     lp = self.logprob_entries(ids, lps) if want_lp else None
-                    c = delta_choice(i, st["parser"].feed(piece) if piece else _empty(), lp)
+                    c = delta_choice(i, st["parser"].feed(piece) if piece else DeltaMessage(), lp)
                     if c is not None:
                         yield chunk([c])
                     continue
@@ -377,8 +348,8 @@ class ChatService:
                 i = result.sample_index
                 st = states[i]
                 completion_tokens += len(result.token_ids)
-                ids, lps = self.final_tokens(result)
-                text = self.final_text(result)
+                ids, lps = self.format.completion_tokens(result)
+                text = self.format.completion_text(result)
                 already = self.tokenizer.decode(st["ids"])[: st["emitted"]]
                 piece = text[len(already):] if text.startswith(already) else ""
                 new_lp = self.logprob_entries(ids[len(st["ids"]):], lps[len(st["ids"]):]) if want_lp else None
@@ -398,12 +369,6 @@ class ChatService:
         finally:
             if done < sink.n:
                 self.loop.abort(request_id)
-
-
-def _empty():
-    from openk2.infer.tool_parsers.base import DeltaMessage
-
-    return DeltaMessage()
 
 
 # ---------------------------------------------------------------------------------------------- the app

@@ -13,18 +13,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from openk2.infer.chat import parse_assistant, render
-from openk2.infer.tool_parsers.kimi_k2 import ARGUMENT_BEGIN, CALL_BEGIN, SECTION_BEGIN
+from openk2.chat import ChatFormat
 from openk2.llm.base import ChatModel, ChatResponse
 
 _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_tokens", "n", "stop", "seed"}
 
 
 class LocalChatModel(ChatModel):
-    """`source`: a checkpoint directory or an `(engine, tokenizer)` pair."""
+    """`source`: a checkpoint directory or an `(engine, tokenizer)` pair; `tool_parser`: a registered format."""
 
     def __init__(self, source: str | Path | tuple[Any, Any], max_batch_size: int = 8, max_seq_len: int = 2048,
-                 device: str | None = None, dtype: str | None = None, default_max_tokens: int = 512) -> None:
+                 device: str | None = None, dtype: str | None = None, default_max_tokens: int = 512,
+                 tool_parser: str = "kimi_k2") -> None:
         if isinstance(source, tuple):
             self.engine, self.tokenizer = source
             self.name = "local"
@@ -43,6 +43,7 @@ class LocalChatModel(ChatModel):
             self.engine = Engine(model, tokenizer=self.tokenizer, max_batch_size=max_batch_size,
                                  max_seq_len=max_seq_len)
             self.name = f"local:{source}"
+        self.format = ChatFormat(self.tokenizer, tool_parser)
         self.default_max_tokens = default_max_tokens
         self._lock = threading.Lock()
 
@@ -56,43 +57,20 @@ class LocalChatModel(ChatModel):
         unknown = set(sampling) - _SAMPLING_KEYS
         if unknown:
             raise ValueError(f"unsupported sampling options: {sorted(unknown)}")
-        sid = self.tokenizer.special_ids
-        stop_ids = [sid["<|im_end|>"]]
-        prefix = ""
-        tools = list(tools) if tools else None
-        if choice not in (None, "auto", "none") and not tools:
-            raise ValueError("tool_choice needs tools")
-        if choice == "none":
-            tools = None
-            stop_ids.append(sid[SECTION_BEGIN])
-        elif choice == "required":
-            prefix = f"{SECTION_BEGIN}{CALL_BEGIN}functions."
-        elif isinstance(choice, dict):
-            name = choice["function"]["name"]
-            prefix = f"{SECTION_BEGIN}{CALL_BEGIN}functions.{name}:0{ARGUMENT_BEGIN}"
-        elif choice not in (None, "auto"):
-            raise ValueError(f"bad tool_choice {choice!r}")
-        prompt = self.tokenizer.encode(render(messages, tools=tools) + prefix, allow_special=True)
+        prepared = self.format.prepare(messages, tools, choice)
+        prompt = prepared.token_ids
         stop = sampling.pop("stop", None) or ()
         max_tokens = sampling.pop("max_tokens", None)
         if max_tokens is None:
             max_tokens = min(self.default_max_tokens, self.engine.max_seq_len - len(prompt))
         params = SamplingParams(max_tokens=max_tokens, stop=(stop,) if isinstance(stop, str) else tuple(stop),
-                                stop_token_ids=tuple(stop_ids), **sampling)
-        return prompt, prefix, params
+                                stop_token_ids=prepared.stop_token_ids, **sampling)
+        return prompt, prepared.prefix, params
 
     def _response(self, result: Any, prefix: str, usage: dict) -> ChatResponse:
-        ids = list(result.token_ids)
-        if isinstance(result.stop_reason, str) and result.text is not None:
-            text = result.text
-        else:
-            if result.finish_reason == "stop" and isinstance(result.stop_reason, int) and ids:
-                ids = ids[:-1]
-            text = self.tokenizer.decode(ids)
-        content, calls = parse_assistant(prefix + text)
-        calls = [{k: v for k, v in c.items() if k != "error"} for c in calls]
-        return ChatResponse(content=content if content or not calls else None, tool_calls=calls,
-                            finish_reason="tool_calls" if calls else result.finish_reason, usage=usage)
+        reply = self.format.finish(result, prefix)
+        return ChatResponse(content=reply.content, tool_calls=reply.tool_calls, finish_reason=reply.finish_reason,
+                            usage=usage)
 
     def chat_batch(self, conversations: Sequence[Sequence[dict]], tools: Sequence[dict] | None = None,
                    **sampling: Any) -> list[list[ChatResponse]]:

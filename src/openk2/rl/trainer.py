@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from openk2.chat import ChatFormat
 from openk2.data.tokenizer import K2Tokenizer
-from openk2.infer.chat import IM_END
 from openk2.infer.engine import Engine
 from openk2.infer.sampling import SamplingParams
 from openk2.model import K2ForCausalLM
@@ -93,7 +93,7 @@ class RLTrainer:
         self.inference = copy.deepcopy(self.policy).eval()  # the rollout engine's weights (decoupled copy)
         self.inference.track_max_logits(False)
         self.optimizer = build_rl_optimizer(self.policy, cfg.optim)
-        self.im_end = self.tokenizer.special_ids[IM_END]
+        self.im_end = ChatFormat(self.tokenizer).end_of_turn_id  # the rollouts' stop token
         self.max_tokens = cfg.rollout.max_tokens or self.task.max_tokens
         self.rollout = PartialRollout(max_tokens=self.max_tokens, segment_tokens=cfg.rollout.segment_tokens or None,
                                       max_batch_size=cfg.rollout.max_batch_size, stop_token_ids=[self.im_end],

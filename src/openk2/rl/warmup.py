@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from openk2.chat import ChatFormat, render
+from openk2.chat.template import IM_END
 from openk2.data.tokenizer import K2Tokenizer, train_tokenizer
-from openk2.infer.chat import IM_END, render
 from openk2.model import K2ForCausalLM
 from openk2.optim.muonclip import MuonClip
 from openk2.optim.schedule import WSDConfig, wsd_lr
@@ -65,7 +66,8 @@ def chat_prompt(problem: Problem) -> str:
 
 
 def encode_prompt(tokenizer: K2Tokenizer, problem: Problem) -> list[int]:
-    return tokenizer.encode(chat_prompt(problem), allow_special=True)
+    """The rollout prompt's token ids (K2's chat format, one user turn)."""
+    return ChatFormat(tokenizer).prepare([{"role": "user", "content": problem.prompt}]).token_ids
 
 
 def problems(task: Task, difficulties: list[int], seed: int, exclude: set[str]) -> Iterator[Problem]:

@@ -15,11 +15,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from openk2.chat import ChatFormat, parse_assistant
 from openk2.data.tokenizer import K2Tokenizer
-from openk2.infer.chat import parse_assistant, render
 from openk2.infer.engine import Engine
 from openk2.infer.sampling import SamplingParams
-from openk2.infer.tool_parsers.kimi_k2 import IM_END
 
 
 @dataclass
@@ -73,10 +72,11 @@ def evaluate_tool_calls(model: torch.nn.Module, tokenizer: K2Tokenizer, prompts:
     """Score greedy responses to `prompts` ({"messages", "tools", "expected"?}, as toolchat.heldout_prompts)."""
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    ids = [tokenizer.encode(render(p["messages"], p.get("tools")), allow_special=True) for p in prompts]
+    chat_format = ChatFormat(tokenizer)
+    prepared = [chat_format.prepare(p["messages"], p.get("tools")) for p in prompts]
+    ids = [p.token_ids for p in prepared]
     engine = Engine(model, tokenizer, max_batch_size=batch_size, max_seq_len=max(map(len, ids)) + max_new_tokens)
-    end_id = tokenizer.special_ids[IM_END]
-    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(end_id,))
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=prepared[0].stop_token_ids)
     results = engine.generate(ids, params)
     totals = dict.fromkeys(("any_call", "well_formed", "correct_tool", "exact_arguments"), 0)
     examples = []

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 
-from openk2.infer.tool_parsers.base import DeltaMessage, ToolParser
+from openk2.chat.tool_parsers.base import DeltaMessage, ToolParser
 
 IM_END = "<|im_end|>"
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
@@ -86,6 +86,14 @@ class KimiK2ToolParser(ToolParser):
     """Incremental parser for K2's `<|tool_calls_section_begin|>` format."""
 
     name = "kimi_k2"
+    section_begin = SECTION_BEGIN
+
+    @classmethod
+    def forced_prefix(cls, function_name: str | None) -> str:
+        """`<section><call>functions.` (the model picks the function) or the whole header of call 0 to it."""
+        if function_name is None:
+            return f"{SECTION_BEGIN}{CALL_BEGIN}{CALL_ID_PREFIX}"
+        return f"{SECTION_BEGIN}{CALL_BEGIN}{format_call_id(function_name, 0)}{ARGUMENT_BEGIN}"
 
     def reset(self) -> None:
         """Forget all state, ready for a new output."""

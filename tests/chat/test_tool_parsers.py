@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from openk2.infer.tool_parsers import (
+from openk2.chat.tool_parsers import (
     DeltaMessage,
     ParseResult,
     StreamAccumulator,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from openk2.infer.tool_parsers.base import DeltaMessage, ParseResult, StreamAccumulator, ToolCall, ToolParser
+from openk2.chat.tool_parsers.base import DeltaMessage, ParseResult, StreamAccumulator, ToolCall, ToolParser
 
 __all__ = [
     "DeltaMessage",
@@ -16,9 +16,9 @@ __all__ = [
     "list_tool_parsers",
 ]
 
-# name -> (module, class). Every entry must have conformance samples in tests/infer/test_tool_parsers.py.
+# name -> (module, class). Every entry must have conformance samples in tests/chat/test_tool_parsers.py.
 _REGISTRY: dict[str, tuple[str, str]] = {
-    "kimi_k2": ("openk2.infer.tool_parsers.kimi_k2", "KimiK2ToolParser"),
+    "kimi_k2": ("openk2.chat.tool_parsers.kimi_k2", "KimiK2ToolParser"),
 }
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from openk2.infer.chat import (
+from openk2.chat.template import (
     DEFAULT_SYSTEM_PROMPT,
     GENERATION_PROMPT,
     IM_ASSISTANT,
@@ -15,7 +15,7 @@ from openk2.infer.chat import (
     render,
     render_with_mask,
 )
-from openk2.infer.tool_parsers.kimi_k2 import (
+from openk2.chat.tool_parsers.kimi_k2 import (
     ARGUMENT_BEGIN,
     CALL_BEGIN,
     CALL_END,

@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from openk2.infer.tool_parsers.kimi_k2 import (
+from openk2.chat.tool_parsers import get_tool_parser
+from openk2.chat.tool_parsers.kimi_k2 import (
     ARGUMENT_BEGIN,
     CALL_BEGIN,
     CALL_END,
@@ -31,7 +32,6 @@ from openk2.infer.tool_parsers.kimi_k2 import (
     IM_END,
     SECTION_BEGIN,
     SECTION_END,
-    KimiK2ToolParser,
     check_arguments,
     format_call_id,
 )
@@ -77,13 +77,13 @@ def render_with_mask(
     return _merge(segments)
 
 
-def parse_assistant(text: str) -> tuple[str, list[dict]]:
+def parse_assistant(text: str, tool_parser: str = "kimi_k2") -> tuple[str, list[dict]]:
     """Model output (after the generation prompt) -> content and OpenAI-shaped tool calls.
 
     Never raises on malformed output: a call whose arguments are not a JSON object, or whose id names
     no function, is returned with an extra "error" key (its "arguments" hold the raw text).
     """
-    result = KimiK2ToolParser().parse(text)
+    result = get_tool_parser(tool_parser)().parse(text)
     return result.content, [call.to_openai() for call in result.tool_calls]
 
 

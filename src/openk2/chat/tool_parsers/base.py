@@ -95,9 +95,20 @@ class StreamAccumulator:
 
 
 class ToolParser(ABC):
-    """Base class: subclasses implement `reset`, `feed` and `finish` (and take no constructor arguments)."""
+    """Base class: subclasses implement `reset`, `feed` and `finish` (and take no constructor arguments).
+
+    A format also declares how `tool_choice` is enforced in it: `section_begin` is the special token that
+    opens its tool calls (a sample that emits it under `tool_choice="none"` ends there), and
+    `forced_prefix` is the text written for the model at the start of its turn so that it must call.
+    """
 
     name: ClassVar[str]
+    section_begin: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def forced_prefix(cls, function_name: str | None) -> str:
+        """Assistant-turn text that commits the model to a call: of any function (None) or of `function_name`."""
 
     def __init__(self) -> None:
         self.reset()
