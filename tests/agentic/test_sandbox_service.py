@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from openk2.agentic.sandbox_service import SandboxClient, SandboxServiceError, resolve_token, sandbox_main
+from openk2.agentic.sandbox_service import SandboxClient, SandboxServiceError, resolve_token
+from openk2.cli.sandbox import sandbox_main
 
 TOKEN = "test-token-4b2e"
 

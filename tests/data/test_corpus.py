@@ -141,7 +141,8 @@ def test_default_corpus_documents():
 
 @pytest.mark.slow
 def test_tokenizer_main_default_mixture(tmp_path):
-    from openk2.data.tokenizer import K2Tokenizer, tokenizer_main
+    from openk2.cli.tokenizer import tokenizer_main
+    from openk2.data.tokenizer import K2Tokenizer
 
     assert (
         tokenizer_main(["train", "--vocab-size", "4096", "--out", str(tmp_path), "--max-chars", "2000000"])

@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from openk2.data import tokenizer as tkmod
 from openk2.data.tokenizer import (
     K2_SPECIAL_OFFSETS,
     K2_SPECIAL_TOKENS,
@@ -204,7 +203,9 @@ def test_tokenizer_main(tmp_path, monkeypatch, capsys):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text(" ".join(SAMPLE))
     toml.write_text(f'[data]\nsources = [{{kind = "text", path = "{tmp_path / "docs"}"}}]\n')
-    rc = tkmod.tokenizer_main(
+    from openk2.cli.tokenizer import tokenizer_main
+
+    rc = tokenizer_main(
         ["train", "--vocab-size", "700", "--out", str(tmp_path / "out"), "--corpus-config", str(toml)]
     )
     assert rc == 0

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from openk2.cli import main as openk2_main
+from openk2.cli.experiment import experiment_main, list_experiments
 from openk2.config import ModelConfig
 from openk2.experiments import EXPERIMENTS
-from openk2.experiments.cli import experiment_main, list_experiments
 from openk2.experiments.common import Curve, tokens_to_reach
 from openk2.experiments.heads import inference_flops_per_token
 from openk2.experiments.qk_clip import InductionTask, clip_summary

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
+from openk2.cli.experiment import experiment_main
 from openk2.config import ModelConfig
 from openk2.data.corpus import CorpusConfig, corpus_documents
 from openk2.data.knowledge import make_entities, qa_items, raw_document
 from openk2.data.tokenizer import train_tokenizer
 from openk2.experiments import EXPERIMENTS
-from openk2.experiments.cli import experiment_main
 from openk2.experiments.rephrase_vs_repeat import (
     VAL_SOURCE_VAL_FRACTION,
     arm_corpora,

@@ -382,7 +382,7 @@ def test_serve_main_subprocess(checkpoint):
 
     port = _free_port()
     env = {**os.environ, "OPENK2_API_KEY": "sk-env", "OMP_NUM_THREADS": "1"}
-    code = ("import sys; from openk2.infer.server import serve_main; "
+    code = ("import sys; from openk2.cli.serve import serve_main; "
             f"sys.exit(serve_main(['--checkpoint', {str(checkpoint)!r}, '--port', '{port}', '--max-seq-len', '128', "
             "'--device', 'cpu', '--log-level', 'warning']))")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -70,7 +70,7 @@ def test_problem_is_plain_data():
 
 
 def test_cli(capsys):
-    from openk2.rl.tasks.cli import rl_tasks_main
+    from openk2.cli.rl_tasks import rl_tasks_main
 
     assert rl_tasks_main(["list"]) == 0
     assert "sudoku" in capsys.readouterr().out

@@ -19,18 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from openk2.data.rephrase import (
+from openk2.cli.rephrase import rephrase_main
+from openk2.llm.base import ChatModel, ChatResponse
+from openk2.rephrase.prompts import STYLES, load_styles, parse_verdict, select_styles
+from openk2.rephrase.rephraser import (
     REJECTS_FILE,
     CorpusJob,
     RephraseConfig,
     Rephraser,
     find_inputs,
     rephrase_corpus,
-    rephrase_main,
     rephrase_text,
 )
-from openk2.data.rephrase_prompts import STYLES, load_styles, parse_verdict, select_styles
-from openk2.llm.base import ChatModel, ChatResponse
 
 PASSAGE = re.compile(r"<passage>\n(.*)\n</passage>", re.DOTALL)
 
@@ -208,8 +208,8 @@ KILL_SCRIPT = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
     sys.path.insert(0, {tests!r})
-    from test_rephrase import FakeRewriter, _job
-    from openk2.data.rephrase import Rephraser, rephrase_corpus
+    from test_rephraser import FakeRewriter, _job
+    from openk2.rephrase.rephraser import Rephraser, rephrase_corpus
     asyncio.run(rephrase_corpus(_job(Path({tmp!r}), concurrency=2), Rephraser(FakeRewriter(0.02), None)))
 """)
 

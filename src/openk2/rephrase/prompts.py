@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
+
+from openk2.configfile import read_toml
 
 MODES = ("rephrase", "math-note", "translate")
 
@@ -89,10 +90,13 @@ def load_styles(path: str | Path | None = None) -> dict[str, RephraseStyle]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"style file {path} does not exist")
-    try:
-        raw = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"style file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {err}") from None
+    if path.suffix == ".toml":
+        raw = read_toml(path, inherit=False)  # style names are the top-level keys, so `base` is a style here
+    else:
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"style file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {err}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"style file {path} must map style names to tables")
     known = {f.name for f in fields(RephraseStyle)} - {"name"}

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from openk2.data.rephrase import CorpusJob, RephraseConfig, Rephraser, find_inputs, rephrase_corpus
-from openk2.data.rephrase_prompts import STYLES, select_styles
+from openk2.rephrase.prompts import STYLES, select_styles
+from openk2.rephrase.rephraser import CorpusJob, RephraseConfig, Rephraser, find_inputs, rephrase_corpus
 
 DOC = ("The Velmont harbour was dredged in 1821 so that larger ships could moor there.\n\n"
        "Its granite lighthouse burned oil until 1903, when electric lamps replaced the oil.")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from openk2.llm import chat_cli
+from openk2.cli import chat as chat_cli
 from openk2.llm.base import ChatModel, ChatResponse
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
