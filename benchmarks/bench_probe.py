@@ -12,6 +12,7 @@ import torch
 from common import machine_summary, time_call
 
 from openk2 import K2ForCausalLM, ModelConfig
+from openk2.model import ForwardStats
 
 
 def main() -> None:
@@ -29,10 +30,10 @@ def main() -> None:
     ids = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len))
 
     def step(track: bool) -> None:
-        model.track_max_logits(track)
+        stats = ForwardStats(cfg, track_max_logits=track)
         model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-        model.pop_max_logits()
+        model(ids, labels=ids, stats=stats).loss.backward()
+        stats.max_logits()
 
     times: dict[bool, list[float]] = {True: [], False: []}
     step(True), step(False)  # warm-up

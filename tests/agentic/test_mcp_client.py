@@ -12,8 +12,8 @@ import pytest
 
 from openk2.agentic.mcp_client import MCPServer, parse_command
 from openk2.agentic.simulate import FaultConfig, ToolSimulator
-from openk2.agentic.synth_cli import synth_main
 from openk2.agentic.tools import Tool, read_tools
+from openk2.cli.synth import synth_main
 
 TIME = "python -m mcp_server_time --local-timezone UTC"
 

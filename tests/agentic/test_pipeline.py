@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from openk2.agentic.pipeline import ROLES, SynthPipeline
-from openk2.agentic.synth_cli import synth_main
 from openk2.agentic.synth_config import SynthConfig
 from openk2.chat.template import render, render_with_mask
+from openk2.cli.synth import synth_main
 from tests.agentic.fake_models import ScriptedModel
 
 TINY = {"tools": {"mcp_servers": [], "categories": ["financial trading", "robot control"], "domains_per_category": 2,

@@ -9,7 +9,6 @@ import pytest
 
 from openk2.agentic.domains import SEED_CATEGORIES, Domain, evolve_domains, synthesize_tools
 from openk2.agentic.jsonout import JSONStats
-from openk2.agentic.synth_cli import synth_main
 from openk2.agentic.tools import (
     Tool,
     dedup_tools,
@@ -19,6 +18,7 @@ from openk2.agentic.tools import (
     tool_stats,
     write_tools,
 )
+from openk2.cli.synth import synth_main
 from tests.agentic.fake_models import ScriptedModel
 
 GOOD = {"name": "place_limit_order", "description": "Place a limit order for a stock.",

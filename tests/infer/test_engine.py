@@ -10,6 +10,7 @@ from openk2 import K2ForCausalLM, ModelConfig
 from openk2.data.tokenizer import train_tokenizer
 from openk2.infer.engine import Engine, LatentKVCache, SamplingParams, absorbed_attention, expanded_attention
 from openk2.infer.sampling import filter_top_k_top_p
+from openk2.model import ForwardStats
 
 from ..model.conftest import randomise_extras, small_config
 
@@ -262,12 +263,33 @@ def test_step_api_add_request_mid_flight_and_abort(model):
 
 def test_engine_leaves_model_state_alone(model):
     model.train()
-    moe = model.moe_layers()[0]
-    moe.tokens_per_expert.fill_(7.0)
+    stats = ForwardStats(model.config, track_max_logits=True)  # a trainer's step record, mid-step
+    with torch.no_grad():
+        model(torch.tensor([[4, 5, 6, 7]]), stats=stats)
+    counts, max_logits = stats.tokens_per_expert(), stats.max_logits()
     Engine(model, max_batch_size=1, max_seq_len=16).generate([[1, 2, 3]], GREEDY)
-    assert model.training and bool((moe.tokens_per_expert == 7.0).all())
+    assert model.training and bool((stats.tokens_per_expert() == counts).all())
+    assert torch.equal(stats.max_logits(), max_logits)
     model.eval()
-    moe.tokens_per_expert.zero_()
+
+
+def test_engine_runs_the_models_own_layers_with_its_cache_attention_and_no_collector(model):
+    seen = []
+
+    def record(layer, args, kwargs):
+        seen.append((layer.layer_idx, kwargs.get("stats"), type(kwargs.get("inner_attention")).__name__))
+
+    hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in model.model.layers]
+    params = SamplingParams(temperature=0, max_tokens=3)
+    try:
+        Engine(model, max_batch_size=1, max_seq_len=16).generate([[1, 2, 3]], params)
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = model.config.num_hidden_layers
+    assert len(seen) == 3 * layers  # one prefill, two decode steps
+    assert [i for i, _, _ in seen] == list(range(layers)) * 3
+    assert all(stats is None and inner == "LatentCacheAttention" for _, stats, inner in seen)
 
 
 def test_request_validation(model):

@@ -3,6 +3,7 @@
 import torch
 
 from openk2.model.moe import MoE, Router
+from openk2.model.stats import ForwardStats
 
 from .conftest import small_config
 
@@ -44,7 +45,7 @@ def test_group_limited_routing_stays_within_top_groups():
 
 def _random_moe(cfg) -> MoE:
     """A MoE block with all weights N(0, 0.3), so routing and expert outputs are far from trivial."""
-    moe = MoE(cfg)
+    moe = MoE(cfg, cfg.first_k_dense_replace)  # the first MoE layer's index
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return moe
@@ -87,10 +88,11 @@ def test_tokens_per_expert_and_bias_update():
     torch.manual_seed(0)
     cfg = small_config()
     moe = _random_moe(cfg)
-    moe(torch.randn(2, 9, cfg.hidden_size))
-    counts = moe.tokens_per_expert.clone()
+    stats = ForwardStats(cfg)
+    moe(torch.randn(2, 9, cfg.hidden_size), stats)
+    counts = stats.tokens_per_expert()[0]
     assert counts.sum() == 2 * 9 * cfg.num_experts_per_tok
-    moe.update_bias(0.01)
+    moe.update_bias(0.01, counts)
     mean = counts.mean()
     expected = 0.01 * torch.sign(mean - counts)
     torch.testing.assert_close(moe.gate.e_score_correction_bias, expected)
@@ -99,12 +101,16 @@ def test_tokens_per_expert_and_bias_update():
 def test_sequence_aux_loss():
     cfg = small_config(aux_loss_alpha=0.1)
     moe = _random_moe(cfg).train()
-    moe(torch.randn(2, 16, cfg.hidden_size))
-    assert moe.aux_loss is not None and moe.aux_loss.requires_grad
+
+    def aux_loss(x):
+        stats = ForwardStats(cfg)
+        moe(x, stats)
+        return stats.aux_loss()
+
+    aux = aux_loss(torch.randn(2, 16, cfg.hidden_size))
+    assert aux is not None and aux.requires_grad
     # Equal scores make P_i = 1/E, so alpha * sum_i f_i P_i = alpha * sum_i count_i / (K T) = alpha.
     torch.nn.init.zeros_(moe.gate.weight)
-    moe(torch.randn(1, 8, cfg.hidden_size))
-    torch.testing.assert_close(moe.aux_loss, torch.tensor(0.1))
+    torch.testing.assert_close(aux_loss(torch.randn(1, 8, cfg.hidden_size)), torch.tensor(0.1))
     moe.eval()
-    moe(torch.randn(1, 8, cfg.hidden_size))
-    assert moe.aux_loss is None
+    assert aux_loss(torch.randn(1, 8, cfg.hidden_size)) is None

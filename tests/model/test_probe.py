@@ -3,6 +3,7 @@
 import torch
 
 from openk2 import K2ForCausalLM
+from openk2.model import ForwardStats
 
 from .conftest import small_config
 
@@ -19,18 +20,20 @@ def test_probe_matches_explicit_logits_and_accumulates():
     torch.manual_seed(0)
     model = K2ForCausalLM(small_config(initializer_range=0.2)).eval()
     ids = torch.randint(0, 97, (2, 13))
-    assert model.pop_max_logits().isinf().all()  # off by default: nothing recorded
-    model(ids)
-    assert model.pop_max_logits().isinf().all()
+    stats = ForwardStats(model.config)
+    assert stats.max_logits().isinf().all()  # off by default: nothing recorded
+    model(ids, stats=stats)
+    assert stats.max_logits().isinf().all()
 
-    model.track_max_logits(True)
     with torch.no_grad():
-        model(ids)
-        first = model.pop_max_logits()
+        stats = ForwardStats(model.config, track_max_logits=True)
+        model(ids, stats=stats)
+        first = stats.max_logits()
         assert first.shape == (3, 4)
-        model(ids[:1])
-        model(ids[1:])
-        both = model.pop_max_logits()  # max-accumulated over two calls equals one call on both
+        stats = ForwardStats(model.config, track_max_logits=True)
+        model(ids[:1], stats=stats)
+        model(ids[1:], stats=stats)
+        both = stats.max_logits()  # max-accumulated over two calls equals one call on both
         torch.testing.assert_close(both, first)
 
         # Layer 0 against an explicit computation from the same weights and inputs.
@@ -38,6 +41,6 @@ def test_probe_matches_explicit_logits_and_accumulates():
         x = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
         cos, sin = model.model.rotary_emb(torch.arange(13).expand(2, 13))
         torch.testing.assert_close(first[0], _explicit_max_logits(attn, x, cos, sin), rtol=1e-5, atol=1e-5)
-    model.track_max_logits(False)
-    model(ids)
-    assert model.pop_max_logits().isinf().all()
+    stats = ForwardStats(model.config)
+    model(ids, stats=stats)
+    assert stats.max_logits().isinf().all()

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from openk2 import K2ForCausalLM
+from openk2.model import ForwardStats
 from openk2.optim.qk_clip import QKClip
 
 from ..model.conftest import small_config
@@ -47,9 +48,9 @@ def test_qk_clip_invariant_on_mla():
         attn.q_b_proj.weight[head * qk:(head + 1) * qk] *= 40
         attn.kv_b_proj.weight[head * nv:head * nv + attn.nope_dim] *= 40
     ids = torch.randint(0, 97, (2, 24))
-    model.track_max_logits(True)
-    model(ids)
-    before_max = model.pop_max_logits()
+    stats = ForwardStats(model.config, track_max_logits=True)
+    model(ids, stats=stats)
+    before_max = stats.max_logits()
     tau = 3.0
     assert before_max[0, 1] > tau and before_max[2, 3] > tau
     inputs, cos, sin = _layer_inputs(model, ids)
@@ -97,10 +98,10 @@ def test_qk_clip_invariant_on_mla():
 def test_qk_clip_without_q_lora_uses_q_proj():
     torch.manual_seed(0)
     model = K2ForCausalLM(small_config(q_lora_rank=None, initializer_range=0.5))
-    model.track_max_logits(True)
+    stats = ForwardStats(model.config, track_max_logits=True)
     ids = torch.randint(0, 97, (1, 16))
-    model(ids)
-    before = model.pop_max_logits()
+    model(ids, stats=stats)
+    before = stats.max_logits()
     inputs, cos, sin = _layer_inputs(model, ids)
     tau = float(before.median())
     QKClip(model, tau=tau).apply(before)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from openk2.cli import main as cli_main
+from openk2.cli.pipeline import pipeline_main
 from openk2.data.conversations import read_conversations
 from openk2.pipeline import toml_writer
-from openk2.pipeline.cli import pipeline_main
 from openk2.pipeline.config import load_pipeline_config
 from openk2.pipeline.runner import LOG_FILE, run_pipeline
 from openk2.pipeline.stages import DONE_FILE, build_stages, downstream

@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from openk2.cli.rl import rl_main
 from openk2.data.tokenizer import K2Tokenizer
 from openk2.model import K2ForCausalLM
 from openk2.rl.config import load_rl_config
 from openk2.rl.rollout import PartialRollout
-from openk2.rl.trainer import RLTrainer, response_logprobs, rl_main
+from openk2.rl.trainer import RLTrainer, response_logprobs
 from openk2.rl.warmup import worked_solution
 from openk2.train.metrics import read_metrics
 

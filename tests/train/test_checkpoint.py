@@ -47,3 +47,24 @@ def test_truncated_or_partial_checkpoint_is_skipped(tmp_path, capsys):
 def test_bad_keep_last():
     with pytest.raises(ValueError):
         CheckpointManager("x", keep_last=0)
+
+
+def test_trainer_checkpoint_restores_its_rng_state(micro_raw, tmp_path):
+    """The RNG states a Trainer checkpoint saves (openk2.rng, every generator) are the ones a resume restores."""
+    import numpy as np
+    import torch
+
+    from openk2.rng import RNG_FILE, capture_rng_state
+    from openk2.train.config import RunConfig
+    from openk2.train.trainer import Trainer
+
+    cfg = RunConfig.from_dict(micro_raw)
+    summary = Trainer(cfg, out_dir=tmp_path / "r").run(max_steps=2)
+    saved = torch.load(summary.checkpoint / RNG_FILE, weights_only=False)
+    assert {"python", "numpy", "torch"} <= set(saved) and ("cuda" in saved) == torch.cuda.is_available()
+    resumed = Trainer(cfg, out_dir=tmp_path / "r", resume=True)
+    torch.rand(5)  # the generators move on after loading; loading the checkpoint again puts them back
+    resumed._load_checkpoint(summary.checkpoint)
+    now = capture_rng_state()
+    assert now["python"] == saved["python"] and torch.equal(now["torch"], saved["torch"])
+    assert all(np.array_equal(a, b) for a, b in zip(now["numpy"], saved["numpy"], strict=True))

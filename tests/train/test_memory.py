@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openk2.config import ModelConfig
-from openk2.model import K2ForCausalLM
+from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.train.config import RunConfig
 from openk2.train.memory import (
     FP8_TILE,
@@ -51,21 +51,20 @@ def _step(model, ids, cfg: MemorySection):
     handle = apply_memory_options(model, cfg)
     try:
         model.zero_grad(set_to_none=True)
-        model.track_max_logits(True)
+        stats = ForwardStats(model.config, track_max_logits=True)
         before = allocated_bytes(CPU)
-        out = model(ids, labels=ids)
+        out = model(ids, labels=ids, stats=stats)
         held = allocated_bytes(CPU) - before if before is not None else None
         if handle.offloader is not None and held is not None:
             held -= handle.offloader.stats.held_bytes  # host copies: what a GPU would no longer hold
-        counts_after_forward = [m.tokens_per_expert.clone() for m in model.moe_layers()]
+        counts_after_forward = stats.tokens_per_expert()
         out.loss.backward()
-        counts_after_backward = [m.tokens_per_expert.clone() for m in model.moe_layers()]
+        counts_after_backward = stats.tokens_per_expert()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         for a, b in zip(counts_after_forward, counts_after_backward, strict=True):
             assert torch.equal(a, b), "recomputation changed the MoE token counters"
-        return out.loss.detach(), grads, out.tokens_per_expert, held, handle, model.pop_max_logits()
+        return out.loss.detach(), grads, out.tokens_per_expert, held, handle, stats.max_logits()
     finally:
-        model.track_max_logits(False)
         handle.remove()
 
 
@@ -85,6 +84,42 @@ def test_recompute_gives_the_same_loss_and_gradients(model, ids, exact, mode):
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
+def _recorded(stats: ForwardStats) -> tuple[torch.Tensor, torch.Tensor, float]:
+    return stats.tokens_per_expert(), stats.max_logits(), float(stats.aux_loss())
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
+
+
+def test_recompute_records_stats_once(ids):
+    """A caller's collector, spanning two micro-batches, ends the same with recompute as without: the replays
+    that backward runs record nothing (also the aux loss, which has a graph through the recomputed layers)."""
+    torch.manual_seed(0)
+    balanced = K2ForCausalLM(MICRO.replace(aux_loss_alpha=0.01)).train()
+    results = {}
+    for mode in ("none", "selective", "full"):
+        handle = apply_memory_options(balanced, MemorySection(recompute=mode))
+        try:
+            balanced.zero_grad(set_to_none=True)
+            stats = ForwardStats(balanced.config, track_max_logits=True)
+            for rows in (ids[:1], ids[1:]):
+                out = balanced(rows, labels=rows, stats=stats)
+                after_forward = _recorded(stats)
+                out.loss.backward()
+                assert _same(_recorded(stats), after_forward), f"{mode}: backward's replay recorded again"
+            results[mode] = (_recorded(stats), balanced.model.layers[1].mlp.gate.weight.grad.clone())
+        finally:
+            handle.remove()
+    (counts, max_logits, aux), router_grad = results["none"]
+    assert counts.sum() == ids.numel() * MICRO.num_experts_per_tok * len(stats.moe_layer_ids)
+    assert aux > 0 and max_logits.isfinite().all()
+    for mode in ("selective", "full"):
+        (m_counts, m_logits, m_aux), m_grad = results[mode]
+        assert _same((m_counts, m_logits, m_aux), (counts, max_logits, aux)), mode
+        torch.testing.assert_close(m_grad, router_grad, rtol=1e-6, atol=1e-9)  # the aux loss's gradient flowed
 
 
 def test_cpu_offload_is_exact_and_releases_its_copies(model, ids, exact):

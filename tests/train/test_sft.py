@@ -12,6 +12,7 @@ import torch
 
 from openk2.chat.template import render
 from openk2.cli import main as cli_main
+from openk2.cli.sft import sft_main
 from openk2.config import ModelConfig
 from openk2.data import toolchat
 from openk2.data.tokenizer import train_tokenizer
@@ -19,7 +20,7 @@ from openk2.model import K2ForCausalLM
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import load_run_config
 from openk2.train.metrics import read_metrics
-from openk2.train.sft import EVAL_FILE, SFTTrainer, resolve_init_checkpoint, sft_main, sft_run_config
+from openk2.train.sft import EVAL_FILE, SFTTrainer, resolve_init_checkpoint, sft_run_config
 from openk2.train.toolcall_eval import score_response
 
 MICRO = dict(vocab_size=640, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,

@@ -1,7 +1,8 @@
 """`openk2 synth run` configuration: one TOML file, one section per pipeline stage (configs/synth-tiny.toml).
 
-Each section maps onto a keyword-only dataclass; an unknown key is a ValueError naming it. `base = "x.toml"`
-inheritance and `--set section.key=value` overrides work as for training runs.
+Each section maps onto a keyword-only dataclass; an unknown key or a value of the wrong type is a ValueError
+naming it and its file. `base = "x.toml"` inheritance and `--set section.key=value` overrides work as for
+training runs (`openk2.configfile`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from openk2.agentic.domains import SEED_CATEGORIES
 from openk2.agentic.simulate import FaultConfig
-from openk2.train.config import build_section
+from openk2.configfile import build_section, check_keys, check_table, load_config
 
 
 @dataclass(kw_only=True)
@@ -91,11 +92,9 @@ class SynthConfig:
     def from_dict(cls, raw: dict[str, Any]) -> SynthConfig:
         raw = dict(raw)
         sections = {"models": ModelsSection, "tools": ToolsSection, "agents": AgentsSection, "run": RunSection}
-        unknown = sorted(set(raw) - set(sections) - {"simulate"})
-        if unknown:
-            raise ValueError(f"unknown section(s) in synth config: {', '.join(unknown)} "
-                             f"(known: {', '.join([*sections, 'simulate'])})")
+        check_keys(raw, [*sections, "simulate"], "unknown section(s) in synth config")
         built = {name: build_section(cls_, name, raw.get(name, {})) for name, cls_ in sections.items()}
+        check_table(SimulateSection, "simulate", raw.get("simulate", {}))
         sim = dict(raw.get("simulate", {}))
         faults = build_section(FaultConfig, "simulate.faults", sim.pop("faults", {}))
         built["simulate"] = build_section(SimulateSection, "simulate", {**sim, "faults": faults})
@@ -103,8 +102,6 @@ class SynthConfig:
 
 
 def load_synth_config(path: str | Path | None, overrides: list[str] | None = None) -> SynthConfig:
-    """Read a synth TOML config (defaults when `path` is None) and apply `section.key=value` overrides."""
-    from openk2.train.config import apply_overrides, read_toml
-
-    raw = read_toml(path) if path is not None else {}
-    return SynthConfig.from_dict(apply_overrides(raw, overrides or []))
+    """Read a synth TOML config (defaults when `path` is None) and apply `section.key=value` overrides; a bad key
+    or value is a ValueError naming it and its file or `--set`."""
+    return load_config(path, overrides, SynthConfig.from_dict)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
+from openk2.configfile import check_table, config_errors, read_toml, table_errors
 from openk2.data.sources import SourceConfig, read_documents
 from openk2.data.tokenizer import K2Tokenizer
 
@@ -91,10 +91,14 @@ def default_corpus_config() -> CorpusConfig:
 
 
 def load_corpus_config(path: str | Path) -> CorpusConfig:
-    """Read a TOML file: its `[data]` table if present, else the whole file."""
-    with open(path, "rb") as fh:
-        d = tomllib.load(fh)
-    return CorpusConfig.from_dict(d.get("data", d))
+    """Read a TOML file (`base = "..."` inherits): its `[data]` table if present, else the whole file. A bad key
+    or value is a ValueError naming it and the file."""
+    d = read_toml(path)
+    table = d.get("data", d)
+    with config_errors(path):
+        check_table(CorpusConfig, "data", table)
+        with table_errors("data"):
+            return CorpusConfig.from_dict(table)
 
 
 def chunk_text(text: str, max_chars: int) -> list[str]:

@@ -32,9 +32,10 @@ from openk2.experiments.common import (
     write_atomic,
     write_report,
 )
-from openk2.model import K2ForCausalLM
+from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.optim.muonclip import MuonClip
 from openk2.optim.schedule import WSDConfig, wsd_lr
+from openk2.rng import seed_everything
 
 DESCRIPTION = "vanilla Muon vs MuonClip on an induction task: per-step max attention logit, loss, heads clipped"
 
@@ -85,7 +86,7 @@ BUDGETS = {
 def train_induction(task: InductionTask, budget: Budget, tau: float | None, seed: int,
                     label: str) -> dict[str, Any]:
     """Muon (+ QK-Clip when tau is set) on the task; per-step loss, max logit and the [steps, L, H] clip mask."""
-    torch.manual_seed(seed)
+    seed_everything(seed)
     model = K2ForCausalLM(ModelConfig.preset("tiny").replace(**INDUCTION_MODEL))
     optimizer = MuonClip(model, lr=budget.lr, weight_decay=0.0, tau=tau, ns_dtype=torch.float32)
     schedule = WSDConfig(peak_lr=budget.lr, warmup_steps=max(1, budget.steps // 50),
@@ -97,16 +98,16 @@ def train_induction(task: InductionTask, budget: Budget, tau: float | None, seed
     for step in tqdm(range(budget.steps), desc=label, unit="step", disable=None):
         optimizer.set_lr(wsd_lr(step, schedule))
         ids = task.batch(budget.batch_size, data)
-        loss = model(ids, labels=ids).loss
+        seen = ForwardStats(model.config, track_max_logits=True)
+        loss = model(ids, labels=ids, stats=seen).loss
         loss.backward()
-        stats = optimizer.step()
+        stats = optimizer.step(seen.max_logits())
         optimizer.zero_grad()
         losses.append(loss.item())
         max_logits.append(stats.max_logit)
         clipped.append((stats.gamma < 1).tolist())
     seconds = time.perf_counter() - start
     eval_ids = task.batch(64, torch.Generator().manual_seed(10_000 + seed))
-    model.track_max_logits(False)
     with torch.no_grad():
         eval_loss = model(eval_ids, labels=eval_ids).loss.item()
     return {"label": label, "tau": tau, "loss": losses, "max_logit": max_logits, "clipped": clipped,

@@ -8,7 +8,9 @@ does); decode runs the absorbed form, which never expands the cache:
     out         = o_proj(concat_h out_h)
 
 so one decode step reads C + R numbers per cached token and per layer, shared by all heads, instead of
-H * (N + R + V). The MoE / MLP blocks, norms, embedding and lm_head are the model's own modules.
+H * (N + R + V). The forward is the model's own (K2Model and its DecoderLayers): the engine only passes in a
+`LatentCacheAttention` (openk2.infer.latent_attention) as the layers' attention core, and no statistics collector,
+so MoE load counts and max logits a trainer collects never see inference.
 
 Scheduling (`step`): every running sequence decodes one token; then waiting sequences are admitted into free
 cache slots and prefilled together, which gives them their first token (right-padded: a sequence's tokens sit at
@@ -31,13 +33,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from openk2.infer.kv_cache import LatentKVCache
+from openk2.infer.latent_attention import LatentCacheAttention, absorbed_attention, expanded_attention
 from openk2.infer.sampling import SamplingParams, make_generator, sample_tokens
-from openk2.model.attention import MLAttention
-from openk2.model.moe import MoE
-from openk2.model.rope import apply_rope
 
 _UTF8_SLACK = 4  # characters re-scanned for stop strings beyond the longest stop string
 
@@ -49,59 +48,6 @@ __all__ = [
     "absorbed_attention",
     "expanded_attention",
 ]
-
-
-# ---------------------------------------------------------------------- MLA over the latent cache
-def _end_aligned_causal(t: int, s: int, device: torch.device) -> torch.Tensor:
-    # The T queries are the last T of the S positions: query i sees keys 0 .. s - t + i.
-    return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
-
-
-def absorbed_attention(
-    attn: MLAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_BSX: torch.Tensor,
-    mask_B1TS: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of queries q^C [B, H, T, N], roped q^R [B, H, T, R] over a latent cache kv [B, S, C+R]
-    (c then roped k^R), in the absorbed form; mask True = may attend, None = causal with the queries at the last
-    T positions. Returns [B, T, H*V] (before o_proj)."""
-    b, h, t, n = q_nope.shape
-    c = attn.kv_lora_rank
-    w_HXC = attn.kv_b_proj.weight.view(h, n + attn.v_dim, c)
-    w_uk_HNC, w_uv_HVC = w_HXC[:, :n], w_HXC[:, n:]
-    q_lat_BHTC = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk_HNC.to(q_nope.dtype))
-    # One matmul scores the latent and rope parts together: the cache row [c_j, k^R_j] is shared by every head.
-    q_BMX = (torch.cat((q_lat_BHTC, q_rope), dim=-1) * attn.scale).reshape(b, h * t, -1).to(kv_BSX.dtype)
-    scores = torch.bmm(q_BMX, kv_BSX.transpose(1, 2)).view(b, h, t, -1).float()
-    if mask_B1TS is None and t > 1:
-        mask_B1TS = _end_aligned_causal(t, kv_BSX.shape[1], kv_BSX.device)
-    if mask_B1TS is not None:
-        scores = scores.masked_fill(~mask_B1TS, float("-inf"))
-    probs = scores.softmax(dim=-1).to(kv_BSX.dtype)
-    out_lat_BMC = torch.bmm(probs.view(b, h * t, -1), kv_BSX[..., :c])  # weighted sum in latent space
-    out = torch.einsum("bhtc,hvc->bthv", out_lat_BMC.view(b, h, t, c).to(q_nope.dtype), w_uv_HVC.to(q_nope.dtype))
-    return out.reshape(b, t, h * attn.v_dim)
-
-
-def expanded_attention(
-    attn: MLAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_BSX: torch.Tensor,
-    mask_B1TS: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The same attention with per-head keys [k^C_h, k^R] and values v_h expanded from the cache by kv_b_proj
-    (the training-time form). Returns [B, T, H*V] (before o_proj)."""
-    b, h, t, _ = q_nope.shape
-    s = kv_BSX.shape[1]
-    c = attn.kv_lora_rank
-    latent, k_rope = kv_BSX[..., :c], kv_BSX[..., c:]
-    kv = attn.kv_b_proj(latent.to(q_nope.dtype)).view(b, s, h, -1).transpose(1, 2)
-    k_nope, v_BHSV = kv.split([attn.nope_dim, attn.v_dim], dim=-1)
-    k_BHSK = torch.cat((k_nope, k_rope[:, None].to(q_nope.dtype).expand(b, h, s, -1)), dim=-1)
-    q_BHTK = torch.cat((q_nope, q_rope), dim=-1)
-    causal = mask_B1TS is None and t == s  # a fresh prefill: SDPA's fused causal kernel
-    if mask_B1TS is None and 1 < t < s:
-        mask_B1TS = _end_aligned_causal(t, s, kv_BSX.device)
-    out = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=mask_B1TS, is_causal=causal,
-                                         scale=attn.scale)
-    return out.transpose(1, 2).reshape(b, t, h * attn.v_dim)
 
 
 # ---------------------------------------------------------------------- results and sequences
@@ -170,7 +116,6 @@ class Engine:
         self._running: dict[int, _Sequence] = {}  # slot -> sequence; its last token is sampled, not yet cached
         self._free_slots = list(range(max_batch_size))
         self._next_request_id = 0
-        self._moes = [m for m in model.modules() if isinstance(m, MoE)]
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
@@ -331,10 +276,9 @@ class Engine:
 
     @contextmanager
     def _inference_mode(self):
-        # No autograd, eval mode (no MoE aux loss), and the MoE load counters the trainer reads left untouched.
+        # No autograd and eval mode (no MoE aux loss); statistics live in callers' collectors, which the engine
+        # never receives, so there is nothing else to save and restore.
         model = self.model
-        moes = self._moes
-        counts = [m.tokens_per_expert.clone() for m in moes]
         was_training = model.training
         if was_training:
             model.eval()
@@ -344,8 +288,6 @@ class Engine:
         finally:
             if was_training:
                 model.train()
-            for m, c in zip(moes, counts, strict=True):
-                m.tokens_per_expert.copy_(c)
 
     # ------------------------------------------------------------------ the forward pass
     def _forward(self, ids_BT: torch.Tensor, slots: list[int], lens: list[int], absorbed: bool) -> torch.Tensor:
@@ -375,29 +317,13 @@ class Engine:
         write_slots = slots_B[:, None].expand(b, t) if all_valid else slots_B[:, None].expand(b, t)[valid_BT]
         write_pos = positions_BT if all_valid else positions_BT[valid_BT]
         read_slots = slice(0, b) if slots == list(range(b)) else slots_B
-
-        inner = self.model.model
-        mla = absorbed_attention if absorbed else expanded_attention
-        cos, sin = inner.rotary_emb(positions_BT)
-        x = inner.embed_tokens(ids_BT)
-        for i, layer in enumerate(inner.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q_nope, q_rope = attn.query(h).split([attn.nope_dim, attn.rope_dim], dim=-1)
-            latent_BTC, k_rope = attn.latent(h)
-            # One rope call for the H query heads and the shared key (head H).
-            roped = apply_rope(torch.cat((q_rope, k_rope), dim=1), cos, sin, attn.rope_interleave)
-            q_rope, k_rope_BTR = roped[:, :-1], roped[:, -1]
-            new_kv = torch.cat((latent_BTC, k_rope_BTR), dim=-1)
-            self.cache.write(i, write_slots, write_pos, new_kv if all_valid else new_kv[valid_BT])
-            kv = self.cache.read(i, read_slots, s_len)
-            x = x + attn.o_proj(mla(attn, q_nope, q_rope, kv, mask_B1TS))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        attention = LatentCacheAttention(self.cache, write_slots, write_pos, None if all_valid else valid_BT,
+                                         read_slots, s_len, mask_B1TS, absorbed)
+        hidden_BTD = self.model.model(ids_BT, positions_BT, inner_attention=attention)
         for slot, total in zip(slots, totals, strict=True):
             self.cache.lengths[slot] = total
         last = torch.tensor(lens, device=dev) - 1
-        hidden = inner.norm(x[torch.arange(b, device=dev), last])
-        return self.model.lm_head(hidden).float()
+        return self.model.lm_head(hidden_BTD[torch.arange(b, device=dev), last]).float()
 
 
 def _find_stop(text: str, stops: Sequence[str], scan_from: int) -> tuple[int, str] | None:

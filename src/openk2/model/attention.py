@@ -1,10 +1,15 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3), with the per-head max-logit probe that QK-Clip needs.
 
+The layer computes q and the compressed KV; its attention core is the training-time SDPA over expanded keys
+unless an `InnerAttention` is passed (the inference engine's latent-cache attention).
+
 Shape legend: B batch, T query length, S key length, H heads, D hidden, C kv_lora_rank (latent),
 N qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +18,7 @@ from torch import nn
 from openk2.config import ModelConfig
 from openk2.model.layers import RMSNorm
 from openk2.model.rope import apply_rope, softmax_scale
+from openk2.model.stats import ForwardStats
 
 
 def segment_causal_mask(segment_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -22,6 +28,15 @@ def segment_causal_mask(segment_ids_BT: torch.Tensor) -> torch.Tensor:
     causal_TT = torch.ones(t, t, dtype=torch.bool, device=segment_ids_BT.device).tril()
     same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
     return (same_BTT & causal_TT).unsqueeze(1)
+
+
+class InnerAttention(Protocol):
+    """A pluggable attention core for MLAttention (the seam the inference engine's latent cache uses): from q^C
+    [B, H, T, N], q^R [B, H, T, R] (no rope yet), the latent c [B, T, C] and k^R [B, 1, T, R] (no rope yet) to
+    the per-head outputs [B, T, H*V] before o_proj. `attn` gives access to the layer's weights and index."""
+
+    def __call__(self, attn: MLAttention, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_BTC: torch.Tensor,
+                 k_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
 
 
 class MLAttention(nn.Module):
@@ -48,8 +63,6 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=bias)
-        self.track_max_logits = False
-        self.max_logits: torch.Tensor | None = None  # [H] fp32, max-accumulated while tracking
 
     def query(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """Per-head queries [B, H, T, N+R] before rope."""
@@ -65,18 +78,22 @@ class MLAttention(nn.Module):
         c, k_rope = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(c), k_rope.unsqueeze(1)
 
-    def qkv(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Per-head q [B, H, T, N+R], k [B, H, S, N+R] (rope applied, k^R broadcast) and v [B, H, S, V]."""
-        b, t, _ = x_BTD.shape
-        q_nope, q_rope = self.query(x_BTD).split([self.nope_dim, self.rope_dim], dim=-1)
-        c_BTC, k_rope = self.latent(x_BTD)
+    def expand(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_BTC: torch.Tensor, k_rope: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rope on q^R and k^R, per-head [k^C, v] from kv_b_proj: q [B, H, T, N+R], k [B, H, S, N+R], v [B, H, S, V]."""
+        b, t, _ = latent_BTC.shape
         q_rope = apply_rope(q_rope, cos, sin, self.rope_interleave)
         k_rope = apply_rope(k_rope, cos, sin, self.rope_interleave)
-        kv = self.kv_b_proj(c_BTC).view(b, t, self.num_heads, -1).transpose(1, 2)
+        kv = self.kv_b_proj(latent_BTC).view(b, t, self.num_heads, -1).transpose(1, 2)
         k_nope, v_BHSV = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q_BHTK = torch.cat((q_nope, q_rope), dim=-1)
         k_BHSK = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
         return q_BHTK, k_BHSK, v_BHSV
+
+    def qkv(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Per-head q [B, H, T, N+R], k [B, H, S, N+R] (rope applied, k^R broadcast) and v [B, H, S, V]."""
+        q_nope, q_rope = self.query(x_BTD).split([self.nope_dim, self.rope_dim], dim=-1)
+        return self.expand(q_nope, q_rope, *self.latent(x_BTD), cos, sin)
 
     def forward(
         self,
@@ -84,20 +101,39 @@ class MLAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
+        stats: ForwardStats | None = None,
+        inner_attention: InnerAttention | None = None,
     ) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]. `attn_mask` [B, 1, T, T] bool (True = may attend) replaces the causal mask."""
-        b, t, _ = x_BTD.shape
-        q_BHTK, k_BHSK, v_BHSV = self.qkv(x_BTD, cos, sin)
-        if self.track_max_logits:
-            self._record_max_logits(q_BHTK, k_BHSK, attn_mask)
+        """x [B, T, D] -> [B, T, D]. `attn_mask` [B, 1, T, T] bool (True = may attend) replaces the causal mask;
+        `stats` (when tracking) receives the per-head max logits; `inner_attention` replaces the attention core
+        (it then owns masking, and records nothing)."""
+        q_nope, q_rope = self.query(x_BTD).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent_BTC, k_rope = self.latent(x_BTD)
+        if inner_attention is None:
+            out_BTX = self.sdpa(q_nope, q_rope, latent_BTC, k_rope, cos, sin, attn_mask, stats)
+        else:
+            if attn_mask is not None:
+                raise ValueError("an inner_attention does its own masking: pass no attn_mask with it")
+            out_BTX = inner_attention(self, q_nope, q_rope, latent_BTC, k_rope, cos, sin)
+        return self.o_proj(out_BTX)
+
+    def sdpa(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_BTC: torch.Tensor, k_rope: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None,
+             stats: ForwardStats | None = None) -> torch.Tensor:
+        """The training-time core: expanded keys and values, SDPA (causal unless `attn_mask`); [B, T, H*V]."""
+        b, t, _ = latent_BTC.shape
+        q_BHTK, k_BHSK, v_BHSV = self.expand(q_nope, q_rope, latent_BTC, k_rope, cos, sin)
+        if stats is not None and stats.track_max_logits:
+            stats.record_max_logits(self.layer_idx, self.head_max_logits(q_BHTK, k_BHSK, attn_mask))
         if attn_mask is None:
             out = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, is_causal=True, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=attn_mask, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return out.transpose(1, 2).reshape(b, t, -1)
 
     @torch.no_grad()
-    def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> None:
+    def head_max_logits(self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """Each head's max scaled, masked pre-softmax logit [H] (fp32): the probe QK-Clip reads."""
         # One extra QK^T per layer, in chunks of sequences so the temporary stays under ~64 MB.
         b, h, t, _ = q.shape
         s = k.shape[2]
@@ -109,4 +145,4 @@ class MLAttention(nn.Module):
             mask = allowed if attn_mask is None else allowed[i:i + chunk]
             logits = logits.masked_fill(~mask, float("-inf"))
             head_max = torch.maximum(head_max, logits.amax(dim=(0, 2, 3)))
-        self.max_logits = head_max if self.max_logits is None else torch.maximum(self.max_logits, head_max)
+        return head_max

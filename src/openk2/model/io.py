@@ -191,5 +191,4 @@ def _reset_runtime_buffers(model: torch.nn.Module) -> None:
     # dtype, because bf16 cannot hold the small differences that decide expert selection.
     model.model.rotary_emb.inv_freq = rope_inv_freq(model.config)[0].to(model.model.rotary_emb.inv_freq.device)
     for moe in model.moe_layers():
-        moe.tokens_per_expert = torch.zeros_like(moe.tokens_per_expert, dtype=torch.float32)
         moe.gate.e_score_correction_bias = moe.gate.e_score_correction_bias.float()

@@ -14,6 +14,7 @@ from torch import nn
 
 from openk2.config import ModelConfig
 from openk2.model.layers import MLP
+from openk2.model.stats import ForwardStats
 
 
 @dataclass
@@ -107,25 +108,28 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts + shared expert(s); records tokens per expert for logging and the bias update."""
+    """Routed experts + shared expert(s); reports tokens per expert (and the balance loss) to a caller's stats."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.gate = Router(cfg)
         self.experts = RoutedExperts(cfg)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
         self.aux_loss_alpha = cfg.aux_loss_alpha
         self.top_k = cfg.num_experts_per_tok
-        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts), persistent=False)
-        self.aux_loss: torch.Tensor | None = None
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, stats: ForwardStats | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; `stats` receives this call's tokens per expert and balance loss."""
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(-1, d)
         routing = self.gate(x_ND)
         routed, counts_E = self.experts(x_ND, routing)
-        self.tokens_per_expert += counts_E.to(self.tokens_per_expert.dtype)
-        self.aux_loss = self._sequence_aux_loss(routing, b, t) if self.training and self.aux_loss_alpha else None
+        # Computed whenever it applies, recorded or not: a recomputation's replay (stats=None) must run the
+        # forward's ops exactly.
+        aux_loss = self._sequence_aux_loss(routing, b, t) if self.training and self.aux_loss_alpha else None
+        if stats is not None:
+            stats.record_routing(self.layer_idx, counts_E, aux_loss)
         out = routed.view(b, t, d).to(x_BTD.dtype) + self.shared_experts(x_BTD)
         return out
 
@@ -140,8 +144,7 @@ class MoE(nn.Module):
         return self.aux_loss_alpha * (f_BE * p_BE).sum(-1).mean()
 
     @torch.no_grad()
-    def update_bias(self, rate: float, counts_E: torch.Tensor | None = None) -> None:
+    def update_bias(self, rate: float, counts_E: torch.Tensor) -> None:
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones, by `rate`."""
-        counts = self.tokens_per_expert if counts_E is None else counts_E
         bias = self.gate.e_score_correction_bias
-        bias += rate * torch.sign(counts.float().mean() - counts.float()).to(bias.dtype)
+        bias += rate * torch.sign(counts_E.float().mean() - counts_E.float()).to(bias.dtype)

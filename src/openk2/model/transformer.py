@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk2.config import ModelConfig
-from openk2.model.attention import MLAttention, segment_causal_mask
+from openk2.model.attention import InnerAttention, MLAttention, segment_causal_mask
 from openk2.model.layers import MLP, RMSNorm
 from openk2.model.moe import MoE
 from openk2.model.rope import RotaryEmbedding
+from openk2.model.stats import ForwardStats
 
 
 @dataclass
@@ -30,19 +31,36 @@ class CausalLMOutput:
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the one body training, pipeline stages and the
+    inference engine all run."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, layer_idx) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, attn_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        stats: ForwardStats | None = None,
+        inner_attention: InnerAttention | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; `stats` records what the layer saw, `inner_attention` swaps the attention
+        core (see MLAttention.forward)."""
+        x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos, sin, attn_mask, stats, inner_attention)
+        h_BTD = self.post_attention_layernorm(x_BTD)
+        return x_BTD + (self.mlp(h_BTD, stats) if isinstance(self.mlp, MoE) else self.mlp(h_BTD))
 
 
 class K2Model(nn.Module):
+    """Embedding, decoder layers, final norm: token ids -> normalised hidden states."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -50,14 +68,23 @@ class K2Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
 
-    def forward(self, input_ids, position_ids=None, attn_mask=None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        stats: ForwardStats | None = None,
+        inner_attention: InnerAttention | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> final-norm hidden [B, T, D] (positions default to 0..T-1)."""
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
         cos, sin = self.rotary_emb(position_ids)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn_mask)
+            # Keywords: memory options wrap layer.forward and hand `stats` to the first (non-replayed) call only.
+            x = layer(x, cos, sin, attn_mask, stats=stats, inner_attention=inner_attention)
         return self.norm(x)
 
 
@@ -101,23 +128,24 @@ class K2ForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        stats: ForwardStats | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, T]; labels [B, T] aligned with input_ids (HF style: shifted here, -100 ignored).
 
         `segment_ids` [B, T] (packed rows, e.g. SFT conversations) keeps attention causal and inside each
-        segment (tokens sharing an id); pass `position_ids` restarting at 0 per segment with it.
+        segment (tokens sharing an id); pass `position_ids` restarting at 0 per segment with it. `stats`, a
+        caller's collector, accumulates this call's records (max logits only if it tracks them); the output's
+        aux_loss and tokens_per_expert cover this call alone.
         """
         if segment_ids is not None:
             if attn_mask is not None:
                 raise ValueError("pass either attn_mask or segment_ids, not both")
             attn_mask = segment_causal_mask(segment_ids)
-        moe_layers = self.moe_layers()
-        for moe in moe_layers:
-            moe.tokens_per_expert.zero_()
-        hidden = self.model(input_ids, position_ids, attn_mask)
+        # A collector per call, so the output reports this call even when the caller's spans several.
+        call = ForwardStats(self.config, track_max_logits=stats is not None and stats.track_max_logits)
+        hidden = self.model(input_ids, position_ids, attn_mask, stats=call)
         logits = self.lm_head(hidden)
-        aux = [moe.aux_loss for moe in moe_layers if moe.aux_loss is not None]
-        aux_loss = torch.stack(aux).sum() if aux else None
+        aux_loss = call.aux_loss()
         loss = None
         if labels is not None:
             # Shift the labels, not the logits: slicing [B, T, V] logits would copy them twice per step.
@@ -125,8 +153,9 @@ class K2ForCausalLM(nn.Module):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
             if aux_loss is not None:
                 loss = loss + aux_loss
-        counts = torch.stack([m.tokens_per_expert.clone() for m in moe_layers]) if moe_layers else None
-        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, tokens_per_expert=counts)
+        if stats is not None:
+            stats.merge(call)
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, tokens_per_expert=call.tokens_per_expert())
 
     # --------------------------------------------------------------- MoE helpers
     def moe_layers(self) -> list[MoE]:
@@ -142,23 +171,6 @@ class K2ForCausalLM(nn.Module):
     # --------------------------------------------------------------- QK-Clip probe
     def attention_layers(self) -> list[MLAttention]:
         return [layer.self_attn for layer in self.model.layers]
-
-    def track_max_logits(self, enabled: bool = True) -> None:
-        """Record each head's max scaled, masked pre-softmax logit on every forward (off by default)."""
-        for attn in self.attention_layers():
-            attn.track_max_logits = enabled
-            attn.max_logits = None
-
-    def pop_max_logits(self) -> torch.Tensor:
-        """The per-head max logits [L, H] (fp32) accumulated since the last pop; resets them."""
-        rows = []
-        for attn in self.attention_layers():
-            if attn.max_logits is None:
-                rows.append(torch.full((attn.num_heads,), float("-inf")))
-            else:
-                rows.append(attn.max_logits.detach().float().cpu())
-            attn.max_logits = None
-        return torch.stack(rows)
 
     # --------------------------------------------------------------- checkpoints
     @classmethod

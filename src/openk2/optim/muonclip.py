@@ -1,8 +1,8 @@
 """MuonClip (K2 report, Algorithm 1): Muon for hidden matrices, AdamW for the rest, then per-head QK-Clip.
 
-One object a trainer steps. The model's max-logit probe is switched on at construction, so every forward
-(all micro-batches of a step) max-accumulates S_max^h; `step()` updates the weights, then clips the heads
-whose S_max^h exceeded tau and exposes what it did in `last_clip`.
+One object a trainer steps. The trainer collects S_max^h over the step's forwards (all micro-batches) in its
+own `openk2.model.ForwardStats(config, track_max_logits=True)` and hands `stats.max_logits()` to `step()`, which
+updates the weights, then clips the heads whose S_max^h exceeded tau and exposes what it did in `last_clip`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from openk2.optim.param_groups import ADAMW_BETAS, ADAMW_EPS, MuonFilter, build_optimizers
-from openk2.optim.qk_clip import QKClip, reduce_max_logits
+from openk2.optim.qk_clip import QKClip, reduce_max_logits, unrecorded_max_logits
 
 
 @dataclass
@@ -70,11 +70,10 @@ class MuonClip:
             self.muon = None
             self.adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                                            betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=weight_decay)
-        # tau=None gives vanilla Muon; the probe still runs so that max logits can be logged.
+        # tau=None gives vanilla Muon; max logits handed to step() are still reduced and reported for logging.
         self.qk_clip = QKClip(model, tau=tau, process_group=process_group) if tau is not None else None
         self.tau = tau
         self.process_group = process_group
-        model.track_max_logits(True)
         self.last_clip: ClipStats | None = None
 
     @property
@@ -96,11 +95,14 @@ class MuonClip:
             opt.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def step(self) -> ClipStats:
-        """Update all weights, then QK-Clip with the max logits recorded since the previous step."""
+    def step(self, max_logits: torch.Tensor | None = None) -> ClipStats:
+        """Update all weights, then QK-Clip with the step's max logits [L, H] (a caller's
+        `ForwardStats.max_logits()`; None: nothing recorded, so nothing is clipped)."""
         for opt in self.optimizers:
             opt.step()
-        max_logits = reduce_max_logits(self.model.pop_max_logits(), self.process_group)
+        if max_logits is None:
+            max_logits = unrecorded_max_logits(self.model.config)
+        max_logits = reduce_max_logits(max_logits, self.process_group)
         if self.qk_clip is not None:
             gamma = self.qk_clip.apply(max_logits, reduce=False)
         else:
@@ -109,8 +111,7 @@ class MuonClip:
         return self.last_clip
 
     def skip_step(self) -> None:
-        """Drop a step's gradients and recorded logits without updating (used when a loss is bad)."""
-        self.model.pop_max_logits()
+        """Drop a step's gradients without updating (used when a loss is bad; its max logits are the caller's)."""
         self.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:

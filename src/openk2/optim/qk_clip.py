@@ -19,6 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from openk2.config import ModelConfig
+
+
+def unrecorded_max_logits(config: ModelConfig) -> torch.Tensor:
+    """[L, H] of -inf: the max logits of a step whose forwards recorded none (QK-Clip leaves every head alone)."""
+    return torch.full((config.num_hidden_layers, config.num_attention_heads), float("-inf"))
+
 
 def reduce_max_logits(max_logits: torch.Tensor, group=None) -> torch.Tensor:
     """MAX-reduce the probe's [L, H] tensor across data-parallel ranks (identity when not distributed)."""

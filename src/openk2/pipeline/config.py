@@ -36,11 +36,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openk2.train.config import apply_overrides, build_section, merge_tables, read_toml
+from openk2.configfile import (
+    ConfigError,
+    build_section,
+    check_keys,
+    check_type,
+    config_errors,
+    load_config,
+    merge_tables,
+    read_toml,
+)
 
 TRAINING_STAGES = ("pretrain", "sft", "rl")
 
@@ -118,9 +128,7 @@ class PipelineConfig:
         """Build from a parsed pipeline file; stage `config` paths are resolved against `root`."""
         raw = dict(raw)
         known = {"out_dir", "threads", "tokenizer", "pretrain", "sft", "rl", "eval"}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown pipeline key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        check_keys(raw, known, "unknown pipeline key(s)")
         missing = [s for s in TRAINING_STAGES if s not in raw]
         if missing:
             raise ValueError(f"the pipeline config needs a table for every training stage; missing: {missing}")
@@ -134,8 +142,10 @@ class PipelineConfig:
             _check_owned(name, stage.set)
             stages[name] = stage
         threads = raw.get("threads", 0)
-        if not isinstance(threads, int) or threads < 0:
-            raise ValueError(f"threads must be an integer >= 0, got {threads!r}")
+        check_type(threads, int, "threads")
+        check_type(raw.get("out_dir", ""), str, "out_dir")
+        if threads < 0:
+            raise ConfigError(f"threads must be an integer >= 0, got {threads!r}", "threads")
         return cls(tokenizer=build_section(TokenizerStageConfig, "tokenizer", raw.get("tokenizer", {})),
                    eval=build_section(EvalStageConfig, "eval", raw.get("eval", {})),
                    out_dir=str(raw.get("out_dir", "runs/pipeline")), threads=threads, **stages)
@@ -147,6 +157,11 @@ class PipelineConfig:
         """The stage's run file (its `base` chain resolved) with the stage's `set` table merged over it."""
         stage: TrainStageConfig = getattr(self, name)
         return merge_tables(read_toml(stage.config), copy.deepcopy(stage.set))
+
+    def stage_errors(self, name: str) -> AbstractContextManager[None]:
+        """A context in which a bad key of the stage's config is reported with the file or `set` it came from."""
+        stage: TrainStageConfig = getattr(self, name)
+        return config_errors(stage.config, layers=[(f"the pipeline's [{name}.set]", stage.set)])
 
 
 def _resolve(root: str | Path, path: str, stage: str) -> Path:
@@ -170,9 +185,9 @@ def _check_owned(stage: str, overrides: dict[str, Any]) -> None:
 
 
 def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
-    """Read a pipeline TOML file (`base = "..."` inherits) and apply `section.key=value` overrides."""
-    raw = apply_overrides(read_toml(path), overrides or [])
-    return PipelineConfig.from_dict(raw, root=Path(path).resolve().parent)
+    """Read a pipeline TOML file (`base = "..."` inherits) and apply `section.key=value` overrides; a bad key or
+    value is a ValueError naming it and its file or `--set`."""
+    return load_config(path, overrides, lambda raw: PipelineConfig.from_dict(raw, root=Path(path).resolve().parent))
 
 
 __all__ = ["EvalStageConfig", "PipelineConfig", "SFTStageConfig", "TokenizerStageConfig", "TrainStageConfig",

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from openk2.fileio import atomic_write_text
-from openk2.pipeline.runner import LOG_FILE
-from openk2.pipeline.stages import Stage
+from openk2.pipeline.stages import LOG_FILE, Stage
 
 REPORT_FILE = "report.md"
 EVAL_PLOT = "eval_stages.png"

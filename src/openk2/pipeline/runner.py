@@ -24,9 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from openk2.pipeline.config import PipelineConfig
-from openk2.pipeline.stages import Stage, build_stages, downstream
-
-LOG_FILE = "pipeline.jsonl"
+from openk2.pipeline.stages import LOG_FILE, Stage, build_stages, downstream
 
 
 @dataclass

@@ -10,8 +10,8 @@ outputs. A stage with a `DONE` is skipped. A stage without one runs; the trainin
 newest complete checkpoint (`--resume` of `openk2 pretrain`, `openk2 sft`, `openk2 rl`), and the evaluation
 stages from the harness's per-sample records.
 
-The training stages run their own command's entry point in-process (`openk2.train.pretrain.main`,
-`openk2.train.sft.sft_main`, `openk2.rl.trainer.rl_main`) on a run file the stage writes first, `stage.toml`:
+The training stages run their own command's entry point in-process (`openk2.cli.pretrain.pretrain_main`,
+`openk2.cli.sft.sft_main`, `openk2.cli.rl.rl_main`) on a run file the stage writes first, `stage.toml`:
 the stage's config with its `set` table and the pipeline's keys (run directory, tokenizer, init checkpoint,
 threads) applied. `openk2 sft --config <out>/sft/stage.toml --resume` therefore repeats a stage by hand.
 """
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from openk2.train.config import RunConfig
 
 DONE_FILE = "DONE"
+LOG_FILE = "pipeline.jsonl"  # one JSON line per stage attempt, in the pipeline directory
 STAGE_CONFIG = "stage.toml"
 TASK_DATA_FILE = "task_train.jsonl"
 
@@ -141,7 +142,8 @@ def build_stages(cfg: PipelineConfig, out_dir: str | Path) -> list[Stage]:
     pretrain_raw.setdefault("model", {})["vocab_size"] = cfg.tokenizer.vocab_size
     pretrain_raw.setdefault("tokenizer", {})["path"] = str(dirs["tokenizer"])
     pretrain_raw["out_dir"] = str(dirs["pretrain"])
-    pretrain_cfg = RunConfig.from_dict(copy.deepcopy(pretrain_raw))
+    with cfg.stage_errors("pretrain"):
+        pretrain_cfg = RunConfig.from_dict(copy.deepcopy(pretrain_raw))
 
     sft_raw = cfg.stage_raw("sft")
     sft_raw.setdefault("sft", {})["init_from"] = str(dirs["pretrain"])
@@ -149,12 +151,14 @@ def build_stages(cfg: PipelineConfig, out_dir: str | Path) -> list[Stage]:
     if cfg.sft.task_examples:
         files = list(sft_raw["sft"].get("train_files", []))
         sft_raw["sft"]["train_files"] = [*files, str(dirs["sft"] / TASK_DATA_FILE)]
-    sft_steps = RunConfig.from_dict(copy.deepcopy(sft_raw)).train.steps  # validates; the model comes from pretrain
+    with cfg.stage_errors("sft"):  # validates; the model comes from pretrain
+        sft_steps = RunConfig.from_dict(copy.deepcopy(sft_raw)).train.steps
 
     rl_raw = cfg.stage_raw("rl")
     rl_raw.pop("model", None)  # replaced by the SFT checkpoint when the stage runs
     rl_raw["out_dir"] = str(dirs["rl"])
-    rl_cfg = RLConfig.from_dict(copy.deepcopy(rl_raw))
+    with cfg.stage_errors("rl"):
+        rl_cfg = RLConfig.from_dict(copy.deepcopy(rl_raw))
 
     def tokenizer_body() -> dict[str, Any]:
         from openk2.data.corpus import tokenizer_training_texts
@@ -167,13 +171,13 @@ def build_stages(cfg: PipelineConfig, out_dir: str | Path) -> list[Stage]:
                 "train_chars": sum(len(t) for t in texts)}
 
     def pretrain_body() -> dict[str, Any]:
-        from openk2.train.pretrain import main as pretrain_main
+        from openk2.cli.pretrain import pretrain_main
 
         raw = _with_threads(copy.deepcopy(pretrain_raw), threads)
         return _run_training_command("pretrain", dirs["pretrain"], raw, pretrain_main, pretrain_cfg.train.steps)
 
     def sft_body() -> dict[str, Any]:
-        from openk2.train.sft import sft_main
+        from openk2.cli.sft import sft_main
 
         if cfg.sft.task_examples:
             from openk2.pipeline.task_data import write_task_conversations
@@ -183,7 +187,7 @@ def build_stages(cfg: PipelineConfig, out_dir: str | Path) -> list[Stage]:
         return _run_training_command("sft", dirs["sft"], raw, sft_main, sft_steps)
 
     def rl_body() -> dict[str, Any]:
-        from openk2.rl.trainer import rl_main
+        from openk2.cli.rl import rl_main
 
         policy = latest_checkpoint(dirs["sft"])
         if policy is None:

@@ -2,7 +2,7 @@
 
 Sections: [model] (preset + overrides, or `checkpoint` to start from a saved policy), [warmup] (the short
 supervised warm-up that teaches the answer format), [task], [rollout], [loss], [optim], [train].
-Unknown keys are a ValueError, as in the pre-training config (whose readers this reuses).
+Unknown keys and values of the wrong type are a ValueError naming the key and its file (`openk2.configfile`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from openk2.config import ModelConfig
-from openk2.train.config import apply_overrides, build_section, read_toml
+from openk2.configfile import build_section, check_keys, check_table, check_type, load_config, table_errors
 
 TEMPERATURE_SCHEDULES = ("linear", "cosine", "exponential")
 
@@ -143,18 +143,19 @@ class RLConfig:
     def from_dict(cls, raw: dict[str, Any]) -> RLConfig:
         raw = dict(raw)
         sections = {"model", "warmup", "task", "rollout", "loss", "optim", "train", "out_dir"}
-        unknown = sorted(set(raw) - sections)
-        if unknown:
-            raise ValueError(f"unknown section(s): {', '.join(unknown)} (known: {', '.join(sorted(sections))})")
+        check_keys(raw, sections, "unknown section(s)")
+        check_table(ModelConfig, "model", raw.get("model", {}), extra={"preset": str, "checkpoint": str})
         model = dict(raw.get("model", {}))
         preset = model.pop("preset", "tiny")
         checkpoint = model.pop("checkpoint", None)
-        if checkpoint is not None:
-            if model:
-                raise ValueError("[model] checkpoint takes the shapes from the checkpoint; drop the other keys")
-            model_cfg = ModelConfig.from_hf(checkpoint)
-        else:
-            model_cfg = ModelConfig.preset(preset).replace(**model) if model else ModelConfig.preset(preset)
+        with table_errors("model"):
+            if checkpoint is not None:
+                if model:
+                    raise ValueError("[model] checkpoint takes the shapes from the checkpoint; drop the other keys")
+                model_cfg = ModelConfig.from_hf(checkpoint)
+            else:
+                model_cfg = ModelConfig.preset(preset).replace(**model) if model else ModelConfig.preset(preset)
+        check_type(raw.get("out_dir", ""), str, "out_dir")
         return cls(
             model=model_cfg, checkpoint=checkpoint,
             warmup=build_section(WarmupSection, "warmup", raw.get("warmup", {})),
@@ -167,16 +168,20 @@ class RLConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The raw form `from_dict` reads back: a policy started from a checkpoint keeps `[model] checkpoint`
+        (its shapes are the checkpoint's), any other has its full ModelConfig."""
         out = {name: dataclasses.asdict(getattr(self, name))
                for name in ("model", "warmup", "task", "rollout", "loss", "optim", "train")}
-        out.update(checkpoint=self.checkpoint, out_dir=self.out_dir)
+        if self.checkpoint is not None:
+            out["model"] = {"checkpoint": self.checkpoint}
+        out["out_dir"] = self.out_dir
         return out
 
 
 def load_rl_config(path: str | Path | None, overrides: list[str] | None = None) -> RLConfig:
-    """Read an RL TOML config (defaults when `path` is None; `base = "..."` inherits) and apply overrides."""
-    raw = read_toml(path) if path is not None else {}
-    return RLConfig.from_dict(apply_overrides(raw, overrides or []))
+    """Read an RL TOML config (defaults when `path` is None; `base = "..."` inherits) and apply overrides; a bad
+    key or value is a ValueError naming it and its file or `--set`."""
+    return load_config(path, overrides, RLConfig.from_dict)
 
 
 __all__ = ["RLConfig", "load_rl_config"]

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from openk2.model.stats import ForwardStats
+
 
 def k15_loss(logp: torch.Tensor, logp_old: torch.Tensor, rewards: torch.Tensor, tau: float) -> torch.Tensor:
     """The K1.5/K2 objective, mean over prompts and samples of (r_i - mean_j r_j - tau*log(pi/pi_old))^2.
@@ -88,13 +90,15 @@ def truncate_to_budget(token_ids: list[int], budget: int) -> tuple[list[int], bo
 
 
 def ptx_loss(model: nn.Module, input_ids: torch.Tensor, weight: float,
-             labels: torch.Tensor | None = None) -> torch.Tensor:
+             labels: torch.Tensor | None = None, stats: ForwardStats | None = None) -> torch.Tensor:
     """`weight` times the language-model loss on a batch of the curated PTX set (report 3.2.2).
 
     Mixing this into the RL loss keeps the policy close to high-quality text and counters forgetting.
-    `labels` default to `input_ids` (HF convention, shifted inside the model; -100 is ignored).
+    `labels` default to `input_ids` (HF convention, shifted inside the model; -100 is ignored). `stats`, an
+    `openk2.model.ForwardStats`, records the forward (QK-Clip's max logits) when given.
     """
-    out = model(input_ids, labels=input_ids if labels is None else labels)
+    extra = {} if stats is None else {"stats": stats}  # any causal LM works when nothing is recorded
+    out = model(input_ids, labels=input_ids if labels is None else labels, **extra)
     return weight * out.loss
 
 

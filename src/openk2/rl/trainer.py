@@ -22,10 +22,8 @@ them), its tokenizer, the optimizer, the paused groups and the RNG states; `--re
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -39,20 +37,20 @@ from openk2.chat import ChatFormat
 from openk2.data.tokenizer import K2Tokenizer
 from openk2.infer.engine import Engine
 from openk2.infer.sampling import SamplingParams
-from openk2.model import K2ForCausalLM
+from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.optim.muonclip import MuonClip
 from openk2.rl import tasks
 from openk2.rl.ckpt_engine import sync_in_process
-from openk2.rl.config import OptimSection, RLConfig, load_rl_config
+from openk2.rl.config import OptimSection, RLConfig
 from openk2.rl.loss import budget_penalty, decayed_temperature, get_loss, ptx_loss
 from openk2.rl.rollout import Group, PartialRollout, new_group
 from openk2.rl.warmup import encode_prompt, problems, run_warmup, sft_batch
+from openk2.rng import RNG_FILE, load_rng_state, save_rng_state, seed_everything
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.metrics import MetricsLogger, read_metrics
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "rl_state.json"
-RNG_FILE = "rng.pt"
 CURVES_FILE = "rl_curves.png"
 
 
@@ -76,7 +74,7 @@ class RLTrainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         seed = cfg.train.seed
-        _seed_everything(seed)
+        seed_everything(seed)
         self.task = tasks.get(cfg.task.name)
         self.eval_problems = held_out_problems(self.task, cfg.task.difficulties, cfg.task.eval_problems, seed)
         self.exclude = {p.prompt for p in self.eval_problems}
@@ -91,7 +89,6 @@ class RLTrainer:
         else:
             self.policy, self.tokenizer = run_warmup(cfg, self.task, self.out_dir, self.exclude)
         self.inference = copy.deepcopy(self.policy).eval()  # the rollout engine's weights (decoupled copy)
-        self.inference.track_max_logits(False)
         self.optimizer = build_rl_optimizer(self.policy, cfg.optim)
         self.im_end = ChatFormat(self.tokenizer).end_of_turn_id  # the rollouts' stop token
         self.max_tokens = cfg.rollout.max_tokens or self.task.max_tokens
@@ -184,17 +181,18 @@ class RLTrainer:
         self.policy.train()
         losses, entropy, grad_norm, clip = [], float("nan"), float("nan"), None
         for update in range(self.cfg.train.updates_per_iteration):
-            logp_N, token_entropy = response_logprobs(self.policy, trajectories, self.tokenizer.pad_id)
+            stats = ForwardStats(self.policy.config, track_max_logits=True)  # this update's; MuonClip reads it
+            logp_N, token_entropy = response_logprobs(self.policy, trajectories, self.tokenizer.pad_id, stats)
             if update == 0:
                 entropy = token_entropy
             logp_PK = logp_N.view(p, k) / lengths.clamp(min=1) if per_token else logp_N.view(p, k)
             loss = self._policy_loss(logp_PK, logp_old, rewards)
             if self.cfg.loss.ptx_weight > 0:
                 ptx_ids, ptx_labels = sft_batch(self.tokenizer, [next(self.ptx_stream) for _ in range(p)])
-                loss = loss + ptx_loss(self.policy, ptx_ids, self.cfg.loss.ptx_weight, ptx_labels)
+                loss = loss + ptx_loss(self.policy, ptx_ids, self.cfg.loss.ptx_weight, ptx_labels, stats=stats)
             loss.backward()
             grad_norm = self._clip_gradients()
-            clip = self.optimizer.step()
+            clip = self.optimizer.step(stats.max_logits())
             self.optimizer.zero_grad()
             losses.append(loss.item())
         return {"reward_mean": float(raw.mean()), "reward_penalised_mean": float(rewards.mean()),
@@ -253,7 +251,7 @@ class RLTrainer:
             self.policy.save_pretrained(path)
             self.tokenizer.save(path)
             torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
-            torch.save(_rng_state(), path / RNG_FILE)
+            save_rng_state(path / RNG_FILE)
             state = {"iteration": self.iteration, "next_group": self.next_group,
                      "rollout": self.rollout.state_dict()}
             (path / STATE_FILE).write_text(json.dumps(state))
@@ -265,7 +263,7 @@ class RLTrainer:
         state = json.loads((path / STATE_FILE).read_text())
         self.iteration, self.next_group = state["iteration"], state["next_group"]
         self.rollout.load_state_dict(state["rollout"])
-        _set_rng_state(torch.load(path / RNG_FILE, weights_only=False))
+        load_rng_state(path / RNG_FILE)
         print(f"resumed from {path} at iteration {self.iteration}", file=sys.stderr)
 
 
@@ -285,11 +283,13 @@ def build_rl_optimizer(policy: torch.nn.Module, oc: OptimSection) -> MuonClip:
     return optimizer
 
 
-def response_logprobs(model: torch.nn.Module, trajectories: list, pad_id: int) -> tuple[torch.Tensor, float]:
+def response_logprobs(model: torch.nn.Module, trajectories: list, pad_id: int,
+                      stats: ForwardStats | None = None) -> tuple[torch.Tensor, float]:
     """log pi(y|x) [N] of each trajectory's response under `model` (with grad), from one plain forward of
-    prompt + response, and the mean per-token entropy of the policy over the response positions."""
+    prompt + response (recorded into `stats` when given), and the mean per-token entropy of the policy over the
+    response positions."""
     ids_NT, targets_NT, mask_NT = _pack_sequences(trajectories, pad_id)
-    logp_NTV = model(ids_NT).logits[:, :-1].float().log_softmax(-1)
+    logp_NTV = model(ids_NT, stats=stats).logits[:, :-1].float().log_softmax(-1)
     token_logp = logp_NTV.gather(-1, targets_NT[..., None]).squeeze(-1) * mask_NT
     with torch.no_grad():
         entropy_NT = -(logp_NTV.exp() * logp_NTV).sum(-1)
@@ -358,44 +358,4 @@ def plot_rl_curves(run_dir: str | Path) -> Path | None:
     return path
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
-# ---------------------------------------------------------------------------------------------- CLI
-def rl_main(argv: list[str] | None = None) -> int:
-    """`openk2 rl --config configs/rl-tiny.toml [--set section.key=value ...] [--resume]`."""
-    parser = argparse.ArgumentParser(
-        prog="openk2 rl", description="Colocated RL (K1.5 loss, partial rollout, checkpoint-engine weight sync) "
-                                      "on a verifiable task, after a short supervised warm-up")
-    parser.add_argument("--config", help="RL TOML config (e.g. configs/rl-tiny.toml)")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config value (repeatable)")
-    parser.add_argument("--out-dir", help="run directory (default: the config's out_dir)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    parser.add_argument("--max-iterations", type=int, help="stop after this many more iterations")
-    args = parser.parse_args(argv)
-    cfg = load_rl_config(args.config, args.set)
-    summary = RLTrainer(cfg, args.out_dir, resume=args.resume).run(args.max_iterations)
-    first, last = summary.first_eval or {}, summary.last_eval or {}
-    nan = float("nan")
-    print(f"iteration {summary.iteration}: held-out reward (greedy) {first.get('eval_reward', nan):.3f} -> "
-          f"{last.get('eval_reward', nan):.3f}, sampled at T=1 {first.get('eval_reward_sampled', nan):.3f} -> "
-          f"{last.get('eval_reward_sampled', nan):.3f}")
-    print(f"checkpoint: {summary.checkpoint}\ncurves: {summary.plot}")
-    return 0
-
-
-__all__ = ["RLSummary", "RLTrainer", "build_rl_optimizer", "plot_rl_curves", "response_logprobs", "rl_main"]
+__all__ = ["RLSummary", "RLTrainer", "build_rl_optimizer", "plot_rl_curves", "response_logprobs"]

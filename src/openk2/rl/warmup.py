@@ -29,11 +29,12 @@ from tqdm import tqdm
 from openk2.chat import ChatFormat, render
 from openk2.chat.template import IM_END
 from openk2.data.tokenizer import K2Tokenizer, train_tokenizer
-from openk2.model import K2ForCausalLM
+from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.optim.muonclip import MuonClip
 from openk2.optim.schedule import WSDConfig, wsd_lr
 from openk2.rl.config import RLConfig
 from openk2.rl.tasks import Problem, Task
+from openk2.rng import seed_everything
 
 _TOKEN_RE = re.compile(r"\d+|[-+*]")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -113,11 +114,10 @@ def run_warmup(cfg: RLConfig, task: Task, out_dir: Path, exclude: set[str]) -> t
     stream = problems(task, cfg.task.difficulties, seed + 1, exclude)
     texts = ["".join(sft_text(next(stream))) for _ in range(wc.tokenizer_examples)]
     tokenizer = train_tokenizer(texts, cfg.model.vocab_size)
-    torch.manual_seed(seed)
+    seed_everything(seed)  # the policy's initial weights
     model = K2ForCausalLM(cfg.model)
     if wc.steps:
         _fit(model, tokenizer, stream, cfg)
-    model.track_max_logits(False)
     tmp = out_dir / f".{WARMUP_DIR}-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(done, ignore_errors=True)  # an incomplete earlier attempt
@@ -140,10 +140,11 @@ def _fit(model: K2ForCausalLM, tokenizer: K2Tokenizer, stream: Iterator[Problem]
     for step in bar:
         optimizer.set_lr(wsd_lr(step, schedule))
         ids, labels = sft_batch(tokenizer, [next(stream) for _ in range(wc.batch_size)])
-        loss = model(ids, labels=labels).loss
+        stats = ForwardStats(model.config, track_max_logits=True)
+        loss = model(ids, labels=labels, stats=stats).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer.step(stats.max_logits())
         optimizer.zero_grad()
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")

@@ -1,17 +1,19 @@
-"""Run configuration: one TOML file, one section per component, `--set section.key=value` overrides.
+"""Run configuration of `openk2 pretrain` and `openk2 sft`: one TOML file, one section per component.
 
-Each section maps onto one dataclass; an unknown key anywhere is a ValueError naming it.
+Each section maps onto one dataclass, read by `openk2.configfile` (`base =` inheritance, `--set section.key=value`
+overrides); an unknown key or a value of the wrong type anywhere is a ValueError naming it and its file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from openk2.config import ModelConfig
+from openk2.configfile import build_section, check_keys, check_table, check_type, load_config, table_errors
+from openk2.data.conversations import OVERLONG_POLICIES
 from openk2.data.corpus import CorpusConfig
 from openk2.optim.schedule import WSDConfig
 from openk2.train.memory import MemorySection
@@ -19,17 +21,6 @@ from openk2.train.parallel.config import ParallelConfig
 
 PRECISIONS = ("auto", "fp32", "bf16")
 BAD_STEP_POLICIES = ("skip", "stop")
-
-
-def build_section(cls, section: str, values: Any):
-    """`cls(**values)` for the TOML table `[section]`, with one clear error for a non-table or an unknown key."""
-    if not isinstance(values, dict):
-        raise ValueError(f"[{section}] must be a table")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown key(s) in [{section}]: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    return cls(**values)
 
 
 @dataclass(kw_only=True)
@@ -129,6 +120,35 @@ class TrainSection:
 
 
 @dataclass(kw_only=True)
+class SFTSection:
+    """The [sft] table of `openk2 sft` runs: where the model starts, which conversations it learns, how tool
+    calls are scored."""
+
+    init_from: str | None = None  # a checkpoint dir, or a run dir (its newest complete checkpoint); required
+    train_files: list[str] = field(default_factory=list)  # conversation JSONL files
+    val_files: list[str] = field(default_factory=list)  # default: val_fraction of the training conversations
+    generate: int = 0  # add this many openk2.data.toolchat conversations to the training data
+    generate_seed: int = 0
+    plain_fraction: float = 0.2  # share of generated conversations that are plain chat (no tool needed)
+    val_fraction: float = 0.05
+    seq_len: int = 512  # tokens per packed row
+    overlong: str = "truncate"  # a conversation longer than seq_len: "truncate" it or "skip" it
+    eval_prompts: int = 48  # held-out toolchat prompts for the tool-call rate before/after; 0 turns it off
+    eval_seed: int = 0
+    eval_max_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.overlong not in OVERLONG_POLICIES:
+            raise ValueError(f"sft.overlong must be one of {OVERLONG_POLICIES}, got {self.overlong!r}")
+        if self.seq_len < 2:
+            raise ValueError(f"sft.seq_len must be at least 2, got {self.seq_len}")
+        if self.generate < 0 or self.eval_prompts < 0:
+            raise ValueError("sft.generate and sft.eval_prompts must be non-negative")
+        if not self.train_files and self.generate == 0:
+            raise ValueError("sft needs training data: set sft.train_files and/or sft.generate")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
@@ -138,28 +158,33 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torchrun layout: pp x dp x ep ranks
     memory: MemorySection = field(default_factory=MemorySection)  # recompute / FP8 activations / CPU offload
-    sft: Any = None  # openk2.train.sft.SFTSection: the [sft] table of `openk2 sft` runs
+    sft: SFTSection | None = None  # the [sft] table of `openk2 sft` runs
     out_dir: str = "runs/tiny"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
         raw = dict(raw)
         sections = {"model", "tokenizer", "data", "optim", "schedule", "train", "parallel", "memory", "sft", "out_dir"}
-        unknown = sorted(set(raw) - sections)
-        if unknown:
-            raise ValueError(f"unknown section(s): {', '.join(unknown)} (known: {', '.join(sorted(sections))})")
+        check_keys(raw, sections, "unknown section(s)")
+        check_table(ModelConfig, "model", raw.get("model", {}), extra={"preset": str})
         model = dict(raw.get("model", {}))
         preset = model.pop("preset", "tiny")
+        with table_errors("model"):
+            model_cfg = ModelConfig.preset(preset).replace(**model) if model else ModelConfig.preset(preset)
+        check_table(CorpusConfig, "data", raw.get("data", {}))
+        with table_errors("data"):
+            data = CorpusConfig.from_dict(raw.get("data", {}))
+        check_type(raw.get("out_dir", ""), str, "out_dir")
         return cls(
-            model=ModelConfig.preset(preset).replace(**model) if model else ModelConfig.preset(preset),
+            model=model_cfg,
             tokenizer=build_section(TokenizerSection, "tokenizer", raw.get("tokenizer", {})),
-            data=CorpusConfig.from_dict(raw.get("data", {})),
+            data=data,
             optim=build_section(OptimSection, "optim", raw.get("optim", {})),
             schedule=build_section(ScheduleSection, "schedule", raw.get("schedule", {})),
             train=build_section(TrainSection, "train", raw.get("train", {})),
             parallel=build_section(ParallelConfig, "parallel", raw.get("parallel", {})),
             memory=build_section(MemorySection, "memory", raw.get("memory", {})),
-            sft=_sft_section(raw["sft"]) if "sft" in raw else None,
+            sft=build_section(SFTSection, "sft", raw["sft"]) if "sft" in raw else None,
             out_dir=raw.get("out_dir", "runs/tiny"),
         )
 
@@ -174,60 +199,7 @@ class RunConfig:
         }
 
 
-def _sft_section(values: dict[str, Any]):
-    from openk2.train.sft import SFTSection  # imported here: sft.py builds on the trainer, which imports this
-
-    return build_section(SFTSection, "sft", values)
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text  # a bare string
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `section.key=value` strings (values parsed as TOML, else taken as strings)."""
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"--set expects section.key=value, got {item!r}")
-        dotted, value = item.split("=", 1)
-        *path, key = dotted.strip().split(".")
-        node = raw
-        for part in path:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"--set {dotted}: {part} is not a section")
-        node[key] = _parse_value(value.strip())
-    return raw
-
-
-def merge_tables(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `override` on top, sub-tables merged key by key (a config file over the one it inherits)."""
-    out = dict(base)
-    for key, value in override.items():
-        both_tables = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = merge_tables(out[key], value) if both_tables else value
-    return out
-
-
-def read_toml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read a TOML run file; `base = "other.toml"` (relative to it) is read first and overridden key by key."""
-    path = Path(path).resolve()
-    if path in _seen:
-        raise ValueError(f"config inheritance loops through {path}")
-    if not path.is_file():
-        raise ValueError(f"config file {path} not found")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"{path} is not valid TOML: {err}") from None
-    base = raw.pop("base", None)
-    return merge_tables(read_toml(path.parent / base, (*_seen, path)), raw) if base else raw
-
-
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a TOML run config (or the defaults when `path` is None) and apply overrides."""
-    raw = read_toml(path) if path is not None else {}
-    return RunConfig.from_dict(apply_overrides(raw, overrides or []))
+    """Read a TOML run config (or the defaults when `path` is None; `base = "..."` inherits) and apply
+    `section.key=value` overrides; a bad key or value is a ValueError naming it and its file or `--set`."""
+    return load_config(path, overrides, RunConfig.from_dict)

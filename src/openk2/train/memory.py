@@ -25,8 +25,9 @@ backward recomputes the gate/up projections too where it needs the product. Offl
 forward and see what the inner mechanisms leave: the checkpointed layers' inputs and everything saved outside
 checkpointed regions (FP8 tiles stay on the device).
 
-Recomputing a layer replays its forward, so its side effects are redirected during the replay: the MoE
-`tokens_per_expert` counters, `aux_loss` and the max-logit records are left as the forward set them.
+Recomputing a layer replays its forward; statistics are recorded once all the same, because the caller's
+`ForwardStats` collector is handed to the first call of a checkpointed layer only (its replay records into an
+empty one that is dropped).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from openk2.model.attention import MLAttention
 from openk2.model.layers import MLP
-from openk2.model.moe import MoE, RoutedExperts
+from openk2.model.moe import RoutedExperts
+from openk2.model.stats import ForwardStats
 from openk2.model.transformer import DecoderLayer
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -344,48 +346,26 @@ def _up_proj_region(forward: Callable) -> Callable:
     return run
 
 
-@contextmanager
-def _side_effects_redirected(moes: list[MoE], scratch: list[torch.Tensor], attns: list[MLAttention],
-                             logits_before: list[torch.Tensor | None]) -> Iterator[None]:
-    """While a layer's forward is replayed for recomputation, its MoE counters go to scratch tensors, and the
-    aux losses and max-logit records are put back afterwards. Selective recompute requires the replay to run
-    exactly the forward's ops, so only Python references change here, and the logit probe replays from the
-    record it started from (a max over the same logits: the record ends as the forward left it)."""
-    kept = [(m.tokens_per_expert, m.aux_loss) for m in moes]
-    kept_logits = [a.max_logits for a in attns]
-    for m, counts in zip(moes, scratch, strict=True):
-        m.tokens_per_expert = counts
-    for a, record in zip(attns, logits_before, strict=True):
-        a.max_logits = record
-    try:
-        yield
-    finally:
-        for m, (counts, aux) in zip(moes, kept, strict=True):
-            m.tokens_per_expert, m.aux_loss = counts, aux
-        for a, record in zip(attns, kept_logits, strict=True):
-            a.max_logits = record
-
-
-def _checkpointed_layer(layer: nn.Module, policy: Callable | None, forward: Callable) -> Callable:
+def _checkpointed_layer(policy: Callable | None, forward: Callable) -> Callable:
     context_fn = functools.partial(create_selective_checkpoint_contexts, policy) if policy else None
-    moes = [m for m in layer.modules() if isinstance(m, MoE)]
-    attns = [m for m in layer.modules() if isinstance(m, MLAttention)]
 
     @functools.wraps(forward)
-    def run(*args, **kwargs):
+    def run(*args, stats: ForwardStats | None = None, **kwargs):
         if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        scratch = [m.tokens_per_expert.clone() for m in moes]  # made here, outside the checkpointed region
-        logits_before = [a.max_logits for a in attns]
+            return forward(*args, stats=stats, **kwargs)
         calls = 0
 
         def replayable(*a, **kw):
+            # The caller's collector goes to the forward only, so counts, aux losses and max logits are taken
+            # once. Backward's replay gets an empty collector with the same settings, dropped afterwards: it
+            # must run exactly the forward's matmuls (selective recompute matches cached matmul outputs by their
+            # order, and the max-logit probe's QK^T counts); the elementwise ops of accumulating into a
+            # collector that already holds records are never cached, so they need not repeat.
             nonlocal calls
             calls += 1
-            if calls == 1:
-                return forward(*a, **kw)
-            with _side_effects_redirected(moes, scratch, attns, logits_before):
-                return forward(*a, **kw)
+            if calls == 1 or stats is None:
+                return forward(*a, stats=stats, **kw)
+            return forward(*a, stats=stats.empty_like(), **kw)
 
         extra = {"context_fn": context_fn} if context_fn else {}
         return checkpoint(replayable, *args, use_reentrant=False, **extra, **kwargs)
@@ -426,7 +406,7 @@ def _apply(model: nn.Module, cfg: MemorySection, handle: MemoryHandle) -> None:
         policy = functools.partial(_selective_policy, cfg.fp8_activations) if cfg.recompute == "selective" else None
         for module in model.modules():
             if isinstance(module, DecoderLayer):
-                _patch(handle, module, "forward", functools.partial(_checkpointed_layer, module, policy))
+                _patch(handle, module, "forward", functools.partial(_checkpointed_layer, policy))
     if cfg.cpu_offload:
         handle.offloader = ActivationOffloader(cfg.offload_min_bytes)
         _patch(handle, model, "forward", functools.partial(_offloaded_forward, handle.offloader))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import signal
 import sys
 import time
@@ -19,9 +18,10 @@ from tqdm import tqdm
 
 from openk2.data.loader import PackedLoader
 from openk2.data.unigram import unigram_baseline
-from openk2.model import K2ForCausalLM
+from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.optim.muonclip import MuonClip
 from openk2.optim.schedule import wsd_lr
+from openk2.rng import RNG_FILE, load_rng_state, save_rng_state, seed_everything
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import RunConfig
 from openk2.train.flops import measure_matmul_peak, training_flops_per_token
@@ -31,7 +31,6 @@ from openk2.train.setup import prepare_tokenizer, resolve_device, resolve_precis
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
-RNG_FILE = "rng.pt"
 
 
 class BadStepError(RuntimeError):
@@ -66,7 +65,7 @@ class Trainer:
         if resume and resume_from is None:
             print(f"note: no complete checkpoint in {self.ckpts.root}; starting from scratch", file=sys.stderr)
 
-        _seed_everything(tc.seed)
+        seed_everything(tc.seed)
         self.tokenizer = prepare_tokenizer(cfg, self.out_dir, resume_from)
         self.model = self._build_model().to(self.device)
         self.memory = apply_memory_options(self.model, cfg.memory)  # [memory]: recompute, FP8 saves, offload
@@ -148,7 +147,8 @@ class Trainer:
         lr = wsd_lr(self.step, self.schedule)
         self.optimizer.set_lr(lr)
         self.model.train()
-        loss, counts, tokens = self._forward_backward()
+        stats = ForwardStats(self.model.config, track_max_logits=True)  # this step's record; MuonClip reads it
+        loss, counts, tokens = self._forward_backward(stats)
         self.step += 1
         problem = self._bad_loss(loss)
         grad_norm = self._clip_gradients() if problem is None else float("nan")
@@ -161,7 +161,7 @@ class Trainer:
                 raise BadStepError(message.replace("update skipped", "stopping (train.on_bad_step = stop)"))
             print(f"warning: {message}", file=sys.stderr)
             return {"step": self.step, "skipped": problem, "loss": loss, "lr": lr}
-        clip = self.optimizer.step()
+        clip = self.optimizer.step(stats.max_logits())
         self.optimizer.zero_grad()
         if counts is not None:
             self.model.update_router_biases(counts, self.cfg.optim.bias_update_rate)
@@ -173,14 +173,15 @@ class Trainer:
                 "qk_clip_tau": self.optimizer.tau or float("nan"), "expert_load": load,
                 "expert_imbalance": [max(row) * len(row) for row in load]}
 
-    def _forward_backward(self) -> tuple[float, torch.Tensor | None, int]:
-        """Accumulate one step's gradients; returns the mean loss, tokens per expert [MoE layers, E], tokens."""
+    def _forward_backward(self, stats: ForwardStats) -> tuple[float, torch.Tensor | None, int]:
+        """Accumulate one step's gradients (recording into `stats`); returns the mean loss, tokens per expert
+        [MoE layers, E], tokens."""
         accum = self.cfg.train.grad_accum
         losses, counts, tokens = [], None, 0
         for _ in range(accum):
             batch = next(self.train_loader)
             with self._autocast():
-                out = self._forward(batch)
+                out = self._forward(batch, stats)
             (out.loss / accum).backward()
             losses.append(out.loss.item())
             counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
@@ -232,8 +233,8 @@ class Trainer:
     def _unigram_baseline(self) -> float:
         return unigram_baseline(self.train_loader)
 
-    def _forward(self, batch: dict[str, torch.Tensor]):
-        return self.model(batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device))
+    def _forward(self, batch: dict[str, torch.Tensor], stats: ForwardStats | None = None):
+        return self.model(batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device), stats=stats)
 
     def _val_loader(self) -> PackedLoader:
         return PackedLoader(self.cfg.data, self.tokenizer, self.cfg.train.batch_size, split="val", loop=False)
@@ -242,7 +243,6 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over the first `train.eval_batches` validation batches (the same each time)."""
         self.model.eval()
-        self.model.track_max_logits(False)
         total, count = 0.0, 0
         for i, batch in enumerate(self._val_loader()):
             if i == self.cfg.train.eval_batches:
@@ -251,7 +251,6 @@ class Trainer:
                 out = self._forward(batch)
             n = int((batch["labels"][:, 1:] != -100).sum())
             total, count = total + out.loss.item() * n, count + n
-        self.model.track_max_logits(True)
         self.model.train()
         if count == 0:
             raise ValueError("the validation split is empty; raise data.val_fraction")
@@ -271,7 +270,7 @@ class Trainer:
             self.model.save_pretrained(path)
             self.tokenizer.save(path)
             torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
-            torch.save(_rng_state(), path / RNG_FILE)
+            save_rng_state(path / RNG_FILE)
             state = {"step": self.step, "tokens_seen": self.tokens_seen, "loss_ema": self.loss_ema,
                      "loader": self.train_loader.state_dict(), "schedule": self.schedule.to_dict()}
             (path / STATE_FILE).write_text(json.dumps(state))
@@ -286,26 +285,5 @@ class Trainer:
         state = json.loads((path / STATE_FILE).read_text())
         self.step, self.tokens_seen, self.loss_ema = state["step"], state["tokens_seen"], state["loss_ema"]
         self.train_loader.load_state_dict(state["loader"])
-        _set_rng_state(torch.load(path / RNG_FILE, weights_only=False))
+        load_rng_state(path / RNG_FILE)
         print(f"resumed from {path} at step {self.step}", file=sys.stderr)
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

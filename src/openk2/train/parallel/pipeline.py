@@ -9,14 +9,15 @@ the zero-bubble V schedule (zbv_zero_bubble) holds stages p and 2 pp - 1 - p ins
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-from openk2.model import K2ForCausalLM
+from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.model.moe import MoE
 from openk2.train.parallel.config import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, ParallelConfig
 from openk2.train.parallel.mesh import ParallelMesh
@@ -52,6 +53,9 @@ class StageModule(nn.Module):
         self.rotary_emb = model.model.rotary_emb
         self.norm = model.model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        # The caller's collector while PipelineModel.recording() is active: the schedule calls stages with
+        # tensors only, so the reference rides here for the duration of that block and nowhere else.
+        self.stats: ForwardStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """input_ids [B, T] (first stage) or hidden [B, T, D] -> hidden [B, T, D] or logits [B, T, V] (last)."""
@@ -60,7 +64,7 @@ class StageModule(nn.Module):
         b, t = x.shape[:2]
         cos, sin = self.rotary_emb(torch.arange(t, device=x.device).expand(b, t))
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, stats=self.stats)  # the model's own DecoderLayer
         if self.lm_head is not None:
             x = self.lm_head(self.norm(x))
         return x
@@ -114,32 +118,17 @@ class PipelineModel(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         return list(self.attention.values())
 
-    def track_max_logits(self, enabled: bool = True) -> None:
-        for attn in self.attention.values():
-            attn.track_max_logits = enabled
-            attn.max_logits = None
-
-    def pop_max_logits(self) -> torch.Tensor:
-        """[L, H] max logits since the last pop: this rank's layers filled, the others -inf (MAX-reduce fills them)."""
-        out = torch.full((self.config.num_hidden_layers, self.config.num_attention_heads), float("-inf"))
-        for i, attn in self.attention.items():
-            if attn.max_logits is not None:
-                out[i] = attn.max_logits.detach().float().cpu()
-            attn.max_logits = None
-        return out
-
-    def reset_expert_counts(self) -> None:
-        for moe in self.moe_rows.values():
-            moe.tokens_per_expert.zero_()
-
-    def expert_counts(self) -> torch.Tensor | None:
-        """[num_moe_layers, E] tokens per expert since the last reset; rows of other ranks' layers are 0."""
-        if not self.num_moe_layers:
-            return None
-        out = torch.zeros(self.num_moe_layers, self.config.n_routed_experts)
-        for row, moe in self.moe_rows.items():
-            out[row] = moe.tokens_per_expert.float().cpu()
-        return out
+    @contextmanager
+    def recording(self, stats: ForwardStats | None) -> Iterator[None]:
+        """Stage forwards inside the block record into `stats` (this rank's layers only: its other rows stay
+        zero counts and -inf max logits, for the cross-rank reductions to fill)."""
+        for stage in self.stages:
+            stage.stats = stats
+        try:
+            yield
+        finally:
+            for stage in self.stages:
+                stage.stats = None
 
     @torch.no_grad()
     def update_router_biases(self, tokens_per_expert: torch.Tensor, rate: float | None = None) -> None:

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from openk2.data.loader import PackedLoader
 from openk2.data.unigram import unigram_baseline
-from openk2.model import K2ForCausalLM
+from openk2.model import ForwardStats, K2ForCausalLM
+from openk2.rng import capture_rng_state, restore_rng_state
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import RunConfig
 from openk2.train.parallel.expert import shard_experts
@@ -32,7 +33,7 @@ from openk2.train.parallel.pipeline import PipelineModel, build_schedule, pipeli
 from openk2.train.parallel.state import gather_full_state, load_full_state, save_full_model
 from openk2.train.parallel.zero import ZeroMuonClip
 from openk2.train.setup import prepare_tokenizer, resolve_device
-from openk2.train.trainer import STATE_FILE, Trainer, _rng_state, _set_rng_state
+from openk2.train.trainer import STATE_FILE, Trainer
 
 OPTIMIZER_SHARDS = "optimizer"  # checkpoint subdirectory: one rank-NNNNN.pt per rank (ZeRO-1 slices + RNG)
 
@@ -121,22 +122,22 @@ class ParallelTrainer(Trainer):
         return super()._open_metrics() if self.is_main else _NoMetrics()
 
     # ------------------------------------------------------------------------------------------ one step
-    def _forward_backward(self) -> tuple[float, torch.Tensor | None, int]:
+    def _forward_backward(self, stats: ForwardStats) -> tuple[float, torch.Tensor | None, int]:
         batches = [next(self.train_loader) for _ in range(self.cfg.train.grad_accum)]
         targets = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
         total = max(1.0, self._sum(float(sum(targets)), "data"))
         tokens = sum(b["input_ids"].numel() for b in batches) * self.mesh.num_data_ranks
         if isinstance(self.model, PipelineModel):
-            loss, counts = self._pipeline_step(batches, total)
+            loss, counts = self._pipeline_step(batches, total, stats)
         else:
-            loss, counts = self._data_parallel_step(batches, targets, total)
+            loss, counts = self._data_parallel_step(batches, targets, total, stats)
         return loss, counts, tokens
 
-    def _data_parallel_step(self, batches, targets, total) -> tuple[float, torch.Tensor | None]:
+    def _data_parallel_step(self, batches, targets, total, stats: ForwardStats) -> tuple[float, torch.Tensor | None]:
         loss, counts = 0.0, None
         for batch, n in zip(batches, targets, strict=True):
             with self._autocast():
-                out = self._forward(batch)
+                out = self._forward(batch, stats)
             # out.loss is the micro-batch's token mean; times n / total it is this micro-batch's share of the
             # global token mean. Backward runs even without targets: the EP all-to-all needs every rank.
             share = out.loss * (n / total) if n else out.logits.sum() * 0.0
@@ -149,18 +150,17 @@ class ParallelTrainer(Trainer):
             dist.all_reduce(counts, group=self.mesh.group("data"))
         return self._sum(loss, "data"), counts
 
-    def _pipeline_step(self, batches, total) -> tuple[float, torch.Tensor | None]:
+    def _pipeline_step(self, batches, total, stats: ForwardStats) -> tuple[float, torch.Tensor | None]:
         ids = torch.cat([b["input_ids"] for b in batches]).to(self.device)
         labels = torch.cat([b["labels"] for b in batches]).to(self.device)
         self._loss_scale = 1.0 / total
-        self.model.reset_expert_counts()
         losses: list[torch.Tensor] = []
         args = (ids,) if self.model.has_first_stage else ()
         kwargs = {"target": labels, "losses": losses} if self.model.has_last_stage else {}
-        with self._autocast():
+        with self._autocast(), self.model.recording(stats):
             self.pipeline.step(*args, **kwargs)
         loss = self._sum(sum(float(x.detach()) for x in losses), None)  # only last-stage ranks hold losses
-        counts = self.model.expert_counts()
+        counts = stats.tokens_per_expert()
         if counts is not None:  # each stage fills its layers' rows; data ranks add their tokens
             counts = counts.to(self.device)
             dist.all_reduce(counts)
@@ -186,7 +186,6 @@ class ParallelTrainer(Trainer):
     def evaluate(self) -> float:
         """Validation loss over the batches a single-device run scores, each data rank scoring its rows."""
         self.model.eval()
-        self.model.track_max_logits(False)
         rows = self.cfg.train.batch_size * self.mesh.num_data_ranks
         val = PackedLoader(self.cfg.data, self.tokenizer, rows, split="val", loop=False)
         total, count = 0.0, 0
@@ -204,7 +203,6 @@ class ParallelTrainer(Trainer):
                 total += float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
                                                reduction="sum"))
             count += int((batch["labels"][:, 1:] != -100).sum())
-        self.model.track_max_logits(True)
         self.model.train()
         count = self._sum(count, "data")
         if count == 0:
@@ -218,7 +216,7 @@ class ParallelTrainer(Trainer):
         staging = self.ckpts.root / f".shards-{self.step:07d}"
         staging.mkdir(parents=True, exist_ok=True)
         shard = staging / f"rank-{self.mesh.rank:05d}.pt"
-        torch.save({"optimizer": self.optimizer.state_dict(), "rng": _rng_state()}, shard.with_suffix(".tmp"))
+        torch.save({"optimizer": self.optimizer.state_dict(), "rng": capture_rng_state()}, shard.with_suffix(".tmp"))
         shard.with_suffix(".tmp").replace(shard)
         self._barrier()
         if self.is_main:
@@ -252,7 +250,7 @@ class ParallelTrainer(Trainer):
         state = json.loads((path / STATE_FILE).read_text())
         self.step, self.tokens_seen, self.loss_ema = state["step"], state["tokens_seen"], state["loss_ema"]
         self.train_loader.load_state_dict(state["loader"])
-        _set_rng_state(shard["rng"])
+        restore_rng_state(shard["rng"])
         if self.is_main:
             print(f"resumed from {path} at step {self.step}", file=sys.stderr)
 

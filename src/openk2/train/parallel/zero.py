@@ -29,7 +29,7 @@ from torch import nn
 from openk2.optim.muon import apply_muon_update, muon_momentum, zeropower_via_newtonschulz5
 from openk2.optim.muonclip import ClipStats
 from openk2.optim.param_groups import ADAMW_BETAS, ADAMW_EPS, MuonFilter, default_muon_filter
-from openk2.optim.qk_clip import QKClip, reduce_max_logits
+from openk2.optim.qk_clip import QKClip, reduce_max_logits, unrecorded_max_logits
 
 ProcessGroup = dist.ProcessGroup | None
 
@@ -186,7 +186,6 @@ class ZeroMuonClip:
         self.clip_layers = dict(sorted(attention_layers.items()))
         self.qk_clip = (QKClip(attention_layers=list(self.clip_layers.values()), tau=tau)
                         if tau is not None and self.clip_layers else None)
-        model.track_max_logits(True)
         self.last_clip: ClipStats | None = None
 
     # ------------------------------------------------------------------------------------------ MuonClip API
@@ -203,8 +202,7 @@ class ZeroMuonClip:
                 p.grad = None
 
     def skip_step(self) -> None:
-        """Drop a step's gradients and recorded logits without updating (a bad loss or gradient norm)."""
-        self.model.pop_max_logits()
+        """Drop a step's gradients without updating (a bad loss or gradient norm; its max logits are the caller's)."""
         self.zero_grad()
 
     @torch.no_grad()
@@ -231,7 +229,7 @@ class ZeroMuonClip:
         return norm
 
     @torch.no_grad()
-    def step(self) -> ClipStats:
+    def step(self, max_logits: torch.Tensor | None = None) -> ClipStats:
         """Update every slice, all-gather the weights, then QK-Clip with max logits MAX-reduced over all ranks."""
         for b in self.buckets:
             assert b.grad is not None, "call reduce_gradients() first"
@@ -242,7 +240,7 @@ class ZeroMuonClip:
                 values = self._adamw_update(b, values)
             b.shard.write_params(b.shard.all_gather(values))
             b.grad = None
-        return self._qk_clip()
+        return self._qk_clip(max_logits)
 
     def _adamw_update(self, b: _Bucket, values: torch.Tensor) -> torch.Tensor:
         slice_param = self.adam_slices[b.name]
@@ -276,10 +274,12 @@ class ZeroMuonClip:
             for piece, part in zip(pieces, ortho.split(counts), strict=True):
                 yield piece, part
 
-    def _qk_clip(self) -> ClipStats:
+    def _qk_clip(self, max_logits: torch.Tensor | None) -> ClipStats:
         device = self.buckets[0].shard.params[0].device  # NCCL reduces device tensors only
         # Over the whole world: data ranks saw different tokens, pipeline stages filled different layers.
-        max_logits = reduce_max_logits(self.model.pop_max_logits().to(device)).cpu()
+        if max_logits is None:  # no forward recorded any: nothing is clipped
+            max_logits = unrecorded_max_logits(self.model.config)
+        max_logits = reduce_max_logits(max_logits.to(device)).cpu()
         gamma = torch.ones_like(max_logits)
         if self.tau is not None:
             gamma = torch.where(max_logits > self.tau, self.tau / max_logits, gamma)

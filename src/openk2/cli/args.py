@@ -1,0 +1,16 @@
+"""Arguments that several commands share, spelled once so that their names and help agree."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_set_argument(parser: argparse.ArgumentParser, example: str = "optim.lr=1e-3") -> None:
+    """`--set SECTION.KEY=VALUE` (repeatable): overrides of the run file, checked like the file's own keys."""
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help=f"override a config value, e.g. --set {example} (repeatable)")
+
+
+def add_resume_argument(parser: argparse.ArgumentParser) -> None:
+    """`--resume`: continue a run from its newest complete checkpoint."""
+    parser.add_argument("--resume", action="store_true", help="continue from the run's newest complete checkpoint")
