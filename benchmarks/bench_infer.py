@@ -23,6 +23,12 @@ numbers per layer); a per-head cache (H * (qk_head_dim + v_head_dim) per layer) 
 model's expanded attention builds (MLAttention.qkv) for one prompt; HF's from the tensors its DynamicCache holds
 after a generate call. For the kimi-k2 preset the same two layouts are computed analytically, in bf16.
 
+Shared prefix (`--shared-prefix P`, 0 to skip): 8 requests whose prompts are the same P random tokens followed
+by 24 tokens of their own are sent one after another to one engine (prefix caching on) and to HF generate; each
+request's prefill time is stamped (ours: add_request + the first step, which yields token 1; HF: a generate call
+for 1 new token) and its first greedy token compared. Request 1 pays the whole prompt; with prefix reuse the
+later ones compute only the blocks past the shared part. Median over `--repeats` rounds, a fresh engine each.
+
 Usage: python benchmarks/bench_infer.py --preset tiny --batch-size 8 --prompt-lens 64,256,1024 --new-tokens 32
 """
 
@@ -41,7 +47,7 @@ from common import hf_copy, machine_summary, quiet_transformers  # noqa: E402
 
 from openk2 import K2ForCausalLM, ModelConfig  # noqa: E402
 from openk2.infer.engine import Engine, SamplingParams  # noqa: E402
-from openk2.infer.kv_cache import LatentKVCache  # noqa: E402
+from openk2.infer.kv_cache import PagedLatentCache  # noqa: E402
 
 CLOCKS = ("wall", "cpu")
 
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch threads (0: torch's default); 1 by default because on a small shared machine "
                         "a second intra-op thread turns these millisecond-sized steps into contention outliers")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shared-prefix", type=int, default=1000, help="tokens shared by 8 requests (0: skip)")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2 (decode is timed from token 1 to token N)")
@@ -154,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     for plen in prompt_lens:
         ids = torch.randint(0, cfg.vocab_size, (args.batch_size, plen), generator=gen)
         prompts = ids.tolist()
-        engine = Engine(ours, max_batch_size=args.batch_size, max_seq_len=plen + args.new_tokens)
+        # No prefix caching here: the repeated calls send the same prompts, which would make prefill free.
+        engine = Engine(ours, max_batch_size=args.batch_size, max_seq_len=plen + args.new_tokens, prefix_caching=False)
         engine_cache_bpt = engine.cache.bytes_per_token
 
         def run_ours(engine=engine, prompts=prompts) -> tuple[list[list[int]], list[tuple[float, float]]]:
@@ -211,10 +219,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{row[('ratio', 'cpu_decode')]:.2f}x CPU | end-to-end {row[('ratio', 'wall_e2e')]:.2f}x wall, "
               f"{row[('ratio', 'cpu_e2e')]:.2f}x CPU")
 
+    prefix_rows = shared_prefix(ours, hf, cfg, args.shared_prefix, args.repeats, gen) if args.shared_prefix else []
+
     # ---------------------------------------------------------------- KV-cache bytes per token
     probe = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
     per_head_measured = measured_per_head_bytes(ours, probe)
-    bf16_latent = LatentKVCache(cfg, 1, 1, dtype=torch.bfloat16).bytes_per_token
+    bf16_latent = PagedLatentCache(cfg, 1, 1, dtype=torch.bfloat16).bytes_per_token
     k2 = ModelConfig.preset("kimi-k2")
     k2_latent, k2_heads = latent_bytes_per_token(k2, 2), per_head_bytes_per_token(k2, 2)
     print(f"\nKV cache bytes/token, {args.preset} preset fp32 (measured from tensors): ours latent "
@@ -235,6 +245,47 @@ def main(argv: list[str] | None = None) -> None:
               f"{r[('ratio', 'wall_decode')]:.2f}x | {r[('ratio', 'cpu_decode')]:.2f}x | "
               f"{r[('ours', 'wall_prefill_s')]:.3f} | {r[('hf', 'wall_prefill_s')]:.3f} | "
               f"{r[('ratio', 'wall_e2e')]:.2f}x |")
+
+    if prefix_rows:
+        print(f"\nshared prefix of {args.shared_prefix} tokens + 24 own tokens, 8 requests one after another "
+              f"(median of {args.repeats} rounds):")
+        print("| request | ours prefill s | tokens computed | HF prefill s | ours/HF prefill time |")
+        print("|---:|---:|---:|---:|---:|")
+        for i, (ours_s, computed, hf_s) in enumerate(prefix_rows):
+            print(f"| {i + 1} | {ours_s:.4f} | {computed} | {hf_s:.4f} | {ours_s / hf_s:.3f} |")
+
+
+def shared_prefix(ours: K2ForCausalLM, hf, cfg: ModelConfig, prefix_len: int, repeats: int,
+                  gen: torch.Generator) -> list[tuple[float, int, float]]:
+    """Per request: median prefill seconds (ours), prompt tokens ours computed, median prefill seconds (HF)."""
+    own = 24
+    prefix = torch.randint(0, cfg.vocab_size, (prefix_len,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(0, cfg.vocab_size, (own,), generator=gen).tolist() for _ in range(8)]
+    ours_s: list[list[float]] = [[] for _ in prompts]
+    hf_s: list[list[float]] = [[] for _ in prompts]
+    computed = [0] * len(prompts)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for rep in range(repeats + 1):
+        engine = Engine(ours, max_batch_size=8, max_seq_len=prefix_len + own + 1)
+        for i, prompt in enumerate(prompts):
+            before = engine.prefill_tokens_computed
+            start = time.perf_counter()
+            engine.add_request(prompt, params)
+            (result,) = engine.step()  # prefill; max_tokens=1 ends the request with token 1
+            took = time.perf_counter() - start
+            ids = torch.tensor([prompt])
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=1,
+                                  min_new_tokens=1, pad_token_id=0)
+            hf_took = time.perf_counter() - start
+            assert out[0, -1].item() == result.token_ids[0], f"first greedy token differs for request {i + 1}"
+            if rep:  # round 0 warms up
+                ours_s[i].append(took)
+                hf_s[i].append(hf_took)
+                computed[i] = engine.prefill_tokens_computed - before
+    return [(statistics.median(o), c, statistics.median(h)) for o, c, h in zip(ours_s, computed, hf_s, strict=True)]
+
 
 if __name__ == "__main__":
     main()

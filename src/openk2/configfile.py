@@ -59,7 +59,9 @@ def _parse_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not valid UTF-8 (offset {err.start}: {err.reason})") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path} is not valid TOML: {err}") from None
 

@@ -49,7 +49,7 @@ def test_pipeline_end_to_end_with_scripted_model(tmp_path):
     for record in sft:
         assert set(record) == {"messages", "tools", "meta"}
         text = render(record["messages"], record["tools"], add_generation_prompt=False)
-        assert "<|tool_calls_section_begin|>" in text and "## Return of functions." in text
+        assert "<|tool_calls_section_begin|>" in text and "## Return of " in text
         assert any(is_assistant for _, is_assistant in render_with_mask(record["messages"], record["tools"]))
         assert record["messages"][-1]["role"] == "assistant"
         names = {t["function"]["name"] for t in record["tools"]}

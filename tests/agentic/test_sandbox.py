@@ -1,4 +1,4 @@
-"""The sandbox against real hostile code: each attack must be stopped with a clear reason and leave the host intact."""
+"""The sandbox end to end: results, limits and hostile code (more in test_sandbox_hostile.py), host left intact."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_correct_solution_passes_with_counts():
     assert result.ok and result.pass_rate == 1.0 and result.exit_code == 0
     assert result.stdout == "loaded\n"
     assert [t.name for t in result.tests] == ["test_small", "test_negative", "test_zero"]
-    assert "audit-hook" in result.isolation and "rlimits" in result.isolation
+    assert {"audit-hook", "rlimits", "seccomp", "bwrap", "judge-process", "watchdog"} <= set(result.isolation)
 
 
 def test_wrong_solution_fails_with_counts_and_assertion_text():
@@ -138,8 +138,7 @@ def test_pids_cgroup_caps_processes_the_audit_hook_cannot_see(tmp_path):
     shell = f"for i in $(seq 80); do setsid sleep {marker} & done"
     code = f"import subprocess\nsubprocess.run(['/bin/sh', '-c', {shell!r}])"
     result = run_python(code, timeout_s=4, max_processes=1)
-    if "pids-cgroup" not in result.isolation:
-        pytest.skip("pids cgroup not writable here (needs root); RLIMIT_NPROC covers non-root callers")
+    assert any(layer.endswith("-pids") for layer in result.isolation)
     assert "fork" in result.stderr.lower()  # the shell reports the forks the cgroup refused
     assert _processes_running(f"sleep {marker}") == []
 
@@ -147,7 +146,8 @@ def test_pids_cgroup_caps_processes_the_audit_hook_cannot_see(tmp_path):
 def test_memory_hog_is_stopped_with_memory_reason():
     result = run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(50 << 20))\n", memory_mb=256)
     assert result.killed_reason == "memory limit exceeded (MemoryError)"
-    big = run_python("", "def test_big():\n    x = bytearray(1 << 30)\n", memory_mb=256)
+    big = run_python("def big():\n    return len(bytearray(1 << 30))\n", "def test_big():\n    big()\n",
+                     memory_mb=256)
     assert big.killed_reason == "memory limit exceeded (MemoryError)" and big.failed == 1
 
 
@@ -183,15 +183,13 @@ def test_kernel_layers_stop_code_outside_the_audit_hook(tmp_path):
                  f"try:\n    open({str(target)!r}, 'w')\nexcept OSError as e:\n    print(e.strerror)")
         code = f"import subprocess\nsubprocess.run(['/usr/bin/python3', '-c', {probe!r}])"
         result = run_python(code, timeout_s=5, max_processes=1)
-        if "netns" not in result.isolation:
-            pytest.skip("no network namespace available here; the audit hook is the only network layer")
+        assert "netns" in result.isolation
         connect_errno, *write_error = result.stdout.splitlines()
         assert result.killed_reason is None and connect_errno != "0"  # an errno such as ENETUNREACH
         with pytest.raises(TimeoutError):
             server.accept()
-    if "read-only-mounts" in result.isolation:  # without them a hook-free process can write (see docs)
-        assert write_error == ["Read-only file system"]
-        assert not target.exists()
+    assert write_error == ["No such file or directory"]  # the host's directories are not in the sandbox
+    assert not target.exists()
 
 
 def test_writing_outside_the_sandbox_is_denied(tmp_path):
@@ -221,15 +219,12 @@ def test_callers_home_directory_is_hidden():
         secret_file.flush()
         code = f"import os\nprint(os.path.exists({secret_file.name!r}))"
         result = run_python(code)
-    if "home-hidden" not in result.isolation:
-        pytest.skip("no mount namespace here (or the interpreter is the home directory): home stays visible")
     assert result.killed_reason is None and result.stdout.splitlines()[0] == "False"
 
 
 def test_private_directory_is_removed_and_output_is_capped():
     result = run_python("import os\nprint(os.getcwd())\nprint('x' * 500_000)", max_output_bytes=1000)
-    sandbox_dir = result.stdout.splitlines()[0]
-    assert sandbox_dir.startswith("/") and not os.path.exists(sandbox_dir)
+    assert result.stdout.splitlines()[0] == "/tmp/work"  # in the run's private tmpfs: gone with the run
     assert result.output_truncated and len(result.stdout) == 1000
 
 
@@ -257,3 +252,40 @@ def test_pool_runs_jobs_in_order_and_async():
 
         good, exited = asyncio.run(both())
     assert good.passed == 3 and exited.error == "SystemExit: 3"
+
+
+def test_judge_sees_only_plain_values_and_handles():
+    code = textwrap.dedent("""
+        LIMIT = 3
+        class Box:
+            def __init__(self, v):
+                self.v = v
+            def get(self):
+                return (self.v, [self.v], {"k": {self.v}})
+        def make(v):
+            return Box(v)
+        def boom():
+            raise KeyError("missing")
+    """)
+    tests = textwrap.dedent("""
+        import pytest_free_check as _unused  # noqa: a failing import in the tests is an error, reported below
+    """)
+    broken = run_python(code, tests)
+    assert broken.error is not None and "ModuleNotFoundError" in broken.error
+    tests = textwrap.dedent("""
+        from solution import make
+        def test_values():
+            box = make(2)
+            assert box.get() == (2, [2], {"k": {2}}) and type(box.get()[0]) is int and LIMIT == 3
+        def test_handle_compares_by_identity():
+            assert make(1) != make(1) and repr(make(1)) == "<the code's Box>"
+        def test_builtin_exception_crosses():
+            try:
+                boom()
+            except KeyError as exc:
+                assert "missing" in str(exc)
+            else:
+                raise AssertionError("no KeyError")
+    """)
+    result = run_python(code, tests)
+    assert (result.passed, result.failed) == (3, 0), result.tests

@@ -16,6 +16,7 @@ from openk2.agentic.sandbox_service import SandboxClient, SandboxServiceError, r
 from openk2.cli.sandbox import sandbox_main
 
 TOKEN = "test-token-4b2e"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def _free_port() -> int:
@@ -34,7 +35,7 @@ def _start_server(*args: str, env: dict[str, str]) -> tuple[subprocess.Popen, st
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {proc.stderr.read()}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=1, headers=AUTH).status_code == 200:
                 return proc, url
         except httpx.TransportError:
             time.sleep(0.1)
@@ -54,6 +55,9 @@ def server():
 
 def test_requests_without_the_token_get_401(server):
     assert httpx.post(f"{server}/run", json={"code": "print(1)"}).status_code == 401
+    for path in ("/health", "/docs", "/redoc", "/openapi.json", "/no-such-route"):  # every route, docs too
+        assert httpx.get(f"{server}{path}").status_code == 401, path
+    assert httpx.get(f"{server}/openapi.json", headers=AUTH).status_code == 200
     wrong = httpx.post(f"{server}/run", json={"code": "print(1)"}, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401
     with SandboxClient(server, "nope") as client, pytest.raises(SandboxServiceError) as err:
@@ -102,3 +106,14 @@ def test_a_token_is_generated_and_printed_when_none_is_given(capsys):
 def test_cli_rejects_bad_concurrency():
     with pytest.raises(ValueError, match="max-concurrency"):
         sandbox_main(["serve", "--max-concurrency", "0"])
+
+
+def test_malformed_bodies_get_400_and_the_server_keeps_serving(server):
+    bodies = [b"{not json", b"\xff\xfe garbage", b"[1, 2]", b"null", b"[" * 4000, b"{\"a\":" * 800, b""]
+    for body in bodies:
+        response = httpx.post(f"{server}/run", content=body, headers={**AUTH, "content-type": "application/json"})
+        assert response.status_code == 400, (body[:20], response.status_code, response.text[:200])
+    wrong_field = httpx.post(f"{server}/run", json={"code": "print(1)", "insecure": True}, headers=AUTH)
+    assert wrong_field.status_code == 422  # no request can switch the kernel layers off
+    with SandboxClient(server, TOKEN) as client:
+        assert client.run_python("print(7)").stdout == "7\n"

@@ -1,38 +1,26 @@
-"""K2's chat template: rendering, the assistant mask, errors, and parsing the assistant's output back."""
+"""K2's chat templates, byte for byte: one golden prompt per conversation shape, written from the behaviour of
+the chat template shipped with Kimi-K2-Instruct-0905 (and K2-Thinking's) under HF's jinja rules; plus the
+assistant mask, the marker/content split, the optional id normalisation, errors and output parsing."""
 
 import json
 
 import pytest
 
-from openk2.chat.template import (
-    DEFAULT_SYSTEM_PROMPT,
-    GENERATION_PROMPT,
-    IM_ASSISTANT,
-    IM_MIDDLE,
-    IM_SYSTEM,
-    IM_USER,
-    parse_assistant,
-    render,
-    render_with_mask,
-)
-from openk2.chat.tool_parsers.kimi_k2 import (
-    ARGUMENT_BEGIN,
-    CALL_BEGIN,
-    CALL_END,
-    IM_END,
-    SECTION_BEGIN,
-    SECTION_END,
-)
+from openk2.chat.template import GENERATION_PROMPT, parse_assistant, render, render_pieces, render_with_mask
 
-DEFAULT_SYSTEM = f"{IM_SYSTEM}system{IM_MIDDLE}{DEFAULT_SYSTEM_PROMPT}{IM_END}"
-WEATHER_TOOL = {
+SYS = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+GEN = "<|im_assistant|>assistant<|im_middle|>"
+WEATHER = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "description": "Weather in a city",
+        "description": "Météo of a city",
         "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}},
     },
 }
+WEATHER_JSON = ('[{"function": {"description": "Météo of a city", "name": "get_weather", "parameters": '
+                '{"properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"}}, '
+                '"type": "function"}]')
 
 
 def call(call_id, name, arguments):
@@ -40,159 +28,166 @@ def call(call_id, name, arguments):
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def two_call_conversation(id0="call_abc", id1="call_def"):
-    """User asks, assistant makes two calls with content, both results come back."""
+def weather_round(id0="call_abc", id1="weird@id"):
+    """User asks, assistant makes two parallel calls with content, both results come back."""
     return [
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {
-            "role": "assistant",
-            "content": "Checking both.",
-            "tool_calls": [
-                call(id0, "get_weather", '{"city": "Paris"}'),
-                call(id1, "get_weather", '{"city": "Rome"}'),
-            ],
-        },
+        {"role": "assistant", "content": "Checking both.",
+         "tool_calls": [call(id0, "get_weather", '{"city": "Paris"}'), call(id1, "get_weather", {"city": "Rome"})]},
         {"role": "tool", "tool_call_id": id0, "content": '{"weather": "Sunny"}'},
-        {"role": "tool", "tool_call_id": id1, "content": '{"weather": "Rain"}'},
+        {"role": "tool", "tool_call_id": id1, "name": "get_weather", "content": "Rain"},
     ]
 
 
-# ---- rendering ----
+# ---- golden prompts, one per shape ----
+
+GOLDEN = {
+    "user only: default system prompt first": (
+        [{"role": "user", "content": "Hi"}], None, True,
+        SYS + "<|im_user|>user<|im_middle|>Hi<|im_end|>" + GEN),
+    "system and history, prefill: the last turn stays open": (
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}], None, False,
+        "<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>Hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>Hello!<|im_end|><|im_user|>user<|im_middle|>2+2?"),
+    "assistant prefill continues the reply": (
+        [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "The colour is"}], None, False,
+        SYS + "<|im_user|>user<|im_middle|>Name a colour<|im_end|><|im_assistant|>assistant<|im_middle|>The colour is"),
+    "developer is its own system-token turn, after the default system prompt": (
+        [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}], None, True,
+        SYS + "<|im_system|>developer<|im_middle|>Answer in French.<|im_end|>"
+              "<|im_user|>user<|im_middle|>Hi<|im_end|>" + GEN),
+    "system then developer": (
+        [{"role": "system", "content": "S"}, {"role": "developer", "content": "D"}, {"role": "user", "content": "U"}],
+        None, True,
+        "<|im_system|>system<|im_middle|>S<|im_end|><|im_system|>developer<|im_middle|>D<|im_end|>"
+        "<|im_user|>user<|im_middle|>U<|im_end|>" + GEN),
+    "name replaces the role; an empty name does not": (
+        [{"role": "user", "name": "alice", "content": "Hi"}, {"role": "assistant", "name": "", "content": "Yo"}],
+        None, True,
+        SYS + "<|im_user|>alice<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|>Yo<|im_end|>" + GEN),
+    "content parts are joined with nothing between": (
+        [{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]},
+         {"role": "assistant", "content": [{"type": "text", "text": "Hi"}]}], None, True,
+        SYS + "<|im_user|>user<|im_middle|>Hello, world<|im_end|><|im_assistant|>assistant<|im_middle|>Hi<|im_end|>"
+        + GEN),
+    "tools: '# Tools' header, sorted keys, default separators, non-ASCII kept": (
+        [{"role": "user", "content": "Hi"}], [WEATHER], True,
+        "<|im_system|>tool_declare<|im_middle|>\n  # Tools\n  " + WEATHER_JSON + "<|im_end|>" + SYS
+        + "<|im_user|>user<|im_middle|>Hi<|im_end|>" + GEN),
+    "parallel calls with client ids verbatim, dict arguments as tojson, results": (
+        weather_round(), [WEATHER], True,
+        "<|im_system|>tool_declare<|im_middle|>\n  # Tools\n  " + WEATHER_JSON + "<|im_end|>" + SYS
+        + "<|im_user|>user<|im_middle|>Weather in Paris and Rome?<|im_end|>"
+        '<|im_assistant|>assistant<|im_middle|>Checking both.<|tool_calls_section_begin|>'
+        '<|tool_call_begin|>call_abc<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        '<|tool_call_begin|>weird@id<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>"
+        '<|im_system|>tool<|im_middle|>## Return of call_abc\n    {"weather": "Sunny"}<|im_end|>'
+        "<|im_system|>get_weather<|im_middle|>## Return of weird@id\n    Rain<|im_end|>" + GEN),
+    "K2 ids, no content, a tool result last without a generation prompt": (
+        [{"role": "user", "content": "t?"},
+         {"role": "assistant", "content": None, "tool_calls": [call("functions.get_time:0", "get_time", "{}")]},
+         {"role": "tool", "tool_call_id": "functions.get_time:0", "content": "noon"}], None, False,
+        SYS + "<|im_user|>user<|im_middle|>t?<|im_end|><|im_assistant|>assistant<|im_middle|>"
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{}"
+        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+        "<|im_system|>tool<|im_middle|>## Return of functions.get_time:0\n    noon"),
+    "ids that are not functions.NAME:IDX stay as they are": (
+        [{"role": "user", "content": "x"},
+         {"role": "assistant", "tool_calls": [call("0", "f", "{}"), call("functions.invalid.0", "g", "{}")]}],
+        None, True,
+        SYS + "<|im_user|>user<|im_middle|>x<|im_end|><|im_assistant|>assistant<|im_middle|>"
+        "<|tool_calls_section_begin|><|tool_call_begin|>0<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_call_begin|>functions.invalid.0<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_calls_section_end|><|im_end|>" + GEN),
+    "a tool result in parts is written as the template's {{ }} writes a list": (
+        [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call("a", "f", "{}")]},
+         {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": "it's"}]}], None, True,
+        SYS + "<|im_user|>user<|im_middle|>x<|im_end|><|im_assistant|>assistant<|im_middle|>"
+        "<|tool_calls_section_begin|><|tool_call_begin|>a<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_calls_section_end|><|im_end|><|im_system|>tool<|im_middle|>## Return of a\n"
+        "    [{'type': 'text', 'text': \"it's\"}]<|im_end|>" + GEN),
+    "an empty tool_calls list is no call section": (
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": []}], None, False,
+        SYS + "<|im_user|>user<|im_middle|>q<|im_end|><|im_assistant|>assistant<|im_middle|>a"),
+}
 
 
-def test_plain_chat_without_system_gets_the_default_system_prompt():
-    text = render([{"role": "user", "content": "Hi"}])
+@pytest.mark.parametrize("shape", list(GOLDEN))
+def test_golden_prompt(shape):
+    messages, tools, add_generation_prompt, expected = GOLDEN[shape]
+    assert render(messages, tools, add_generation_prompt) == expected
+
+
+THINKING = [
+    {"role": "user", "content": "q1"},
+    {"role": "assistant", "reasoning_content": "r1", "content": "a1"},
+    {"role": "user", "content": "q2"},
+    {"role": "assistant", "reasoning_content": "r2", "tool_calls": [call("functions.f:0", "f", "{}")]},
+    {"role": "tool", "tool_call_id": "functions.f:0", "content": [{"type": "text", "text": "res"}]},
+]
+
+
+def test_golden_thinking_prompt_drops_finished_turns_reasoning_only():
+    text = render(THINKING, [{"type": "function", "function": {"name": "f"}}], template="kimi_k2_thinking")
     assert text == (
-        f"{IM_SYSTEM}system{IM_MIDDLE}You are Kimi, an AI assistant created by Moonshot AI.{IM_END}"
-        f"{IM_USER}user{IM_MIDDLE}Hi{IM_END}"
-        f"{IM_ASSISTANT}assistant{IM_MIDDLE}"
-    )
+        '<|im_system|>tool_declare<|im_middle|>[{"function": {"name": "f"}, "type": "function"}]<|im_end|>' + SYS
+        + "<|im_user|>user<|im_middle|>q1<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>a1<|im_end|>"  # a finished turn: reasoning dropped
+        "<|im_user|>user<|im_middle|>q2<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>r2</think><|tool_calls_section_begin|>"  # the loop: kept
+        "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
+        "<|im_end|><|im_system|>tool<|im_middle|>## Return of functions.f:0\nres<|im_end|>" + GEN)
+    # Without a generation prompt every turn is still closed.
+    assert render(THINKING[:2], template="kimi_k2_thinking", add_generation_prompt=False).endswith(
+        "<think></think>a1<|im_end|>")
 
 
-def test_plain_chat_with_system_prompt_and_history():
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello!"},
-        {"role": "user", "content": "2+2?"},
-    ]
-    assert render(messages, add_generation_prompt=False) == (
-        f"{IM_SYSTEM}system{IM_MIDDLE}Be brief.{IM_END}"
-        f"{IM_USER}user{IM_MIDDLE}Hi{IM_END}"
-        f"{IM_ASSISTANT}assistant{IM_MIDDLE}Hello!{IM_END}"
-        f"{IM_USER}user{IM_MIDDLE}2+2?{IM_END}"
-    )
-    assert DEFAULT_SYSTEM_PROMPT not in render(messages)
+def test_tool_declaration_does_not_depend_on_key_order():
+    shuffled = {"function": dict(reversed(list(WEATHER["function"].items()))), "type": "function"}
+    ask = [{"role": "user", "content": "Hi"}]
+    assert render(ask, [shuffled]) == render(ask, [WEATHER])
+    assert "tool_declare" not in render(ask, tools=[])
 
 
-def test_generation_prompt_is_the_open_assistant_turn():
-    messages = [{"role": "user", "content": "Hi"}]
-    assert render(messages).endswith(GENERATION_PROMPT)
-    assert GENERATION_PROMPT == "<|im_assistant|>assistant<|im_middle|>"
-    assert render(messages, add_generation_prompt=False).endswith(f"Hi{IM_END}")
-
-
-def test_explicit_name_replaces_the_role_name():
-    text = render([{"role": "user", "name": "alice", "content": "Hi"}], add_generation_prompt=False)
-    assert text.endswith(f"{IM_USER}alice{IM_MIDDLE}Hi{IM_END}")
-
-
-def test_content_parts_are_joined_without_separator():
-    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
-    assert f"{IM_MIDDLE}Hello, world{IM_END}" in render([{"role": "user", "content": parts}])
-
-
-def test_tools_are_declared_first_as_compact_sorted_json():
-    text = render([{"role": "user", "content": "Hi"}], tools=[WEATHER_TOOL])
-    declared = (
-        f"{IM_SYSTEM}tool_declare{IM_MIDDLE}"
-        '[{"function":{"description":"Weather in a city","name":"get_weather",'
-        '"parameters":{"properties":{"city":{"type":"string"}},"required":["city"],"type":"object"}},'
-        f'"type":"function"}}]{IM_END}'
-    )
-    assert text == declared + DEFAULT_SYSTEM + f"{IM_USER}user{IM_MIDDLE}Hi{IM_END}" + GENERATION_PROMPT
-    # The declaration does not depend on the key order the client sent.
-    shuffled = {"function": dict(reversed(list(WEATHER_TOOL["function"].items()))), "type": "function"}
-    assert render([{"role": "user", "content": "Hi"}], tools=[shuffled]) == text
-    # Non-ASCII stays as is, as the template's tojson writes it.
-    tool = {"type": "function", "function": {"name": "f", "description": "météo"}}
-    assert "météo" in render([{"role": "user", "content": "Hi"}], tools=[tool])
-
-
-def test_no_tool_declaration_without_tools():
-    assert "tool_declare" not in render([{"role": "user", "content": "Hi"}], tools=[])
-
-
-def test_assistant_with_content_and_two_tool_calls_keeps_k2_ids():
-    messages = two_call_conversation("functions.get_weather:0", "functions.get_weather:1")[:2]
-    assert render(messages, add_generation_prompt=False).endswith(
-        f"{IM_ASSISTANT}assistant{IM_MIDDLE}Checking both."
-        f"{SECTION_BEGIN}"
-        f'{CALL_BEGIN}functions.get_weather:0{ARGUMENT_BEGIN}{{"city": "Paris"}}{CALL_END}'
-        f'{CALL_BEGIN}functions.get_weather:1{ARGUMENT_BEGIN}{{"city": "Rome"}}{CALL_END}'
-        f"{SECTION_END}{IM_END}"
-    )
-
-
-def test_tool_results_render_as_system_turns_naming_the_call():
-    text = render(two_call_conversation("functions.get_weather:0", "functions.get_weather:1"))
-    assert text.endswith(
-        f"{IM_SYSTEM}tool{IM_MIDDLE}## Return of functions.get_weather:0\n"
-        f'{{"weather": "Sunny"}}{IM_END}'
-        f"{IM_SYSTEM}tool{IM_MIDDLE}## Return of functions.get_weather:1\n"
-        f'{{"weather": "Rain"}}{IM_END}' + GENERATION_PROMPT
-    )
-
-
-def test_tool_result_with_name_uses_it_after_the_role_token():
-    messages = two_call_conversation()[:3]
-    messages[2]["name"] = "get_weather"
-    assert f"{IM_SYSTEM}get_weather{IM_MIDDLE}## Return of functions.get_weather:0\n" in render(messages)
-
-
-def test_foreign_ids_become_k2_ids_counted_over_the_conversation():
-    messages = two_call_conversation("call_abc", "call_def")
-    messages += [
-        {"role": "assistant", "content": None, "tool_calls": [call("call_xyz", "get_time", "{}")]},
-        {"role": "tool", "tool_call_id": "call_xyz", "content": "noon"},
-    ]
-    text = render(messages)
+def test_normalized_ids_follow_the_vendor_verifier_advice():
+    messages = weather_round("call_abc", "functions.get_weather:1")
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call("call_xyz", "get_time", "{}")]},
+                 {"role": "tool", "tool_call_id": "call_xyz", "content": "noon"},
+                 {"role": "tool", "tool_call_id": "unknown", "content": "?"}]
+    text = render(messages, normalize_ids=True)
     for k2_id in ("functions.get_weather:0", "functions.get_weather:1", "functions.get_time:2"):
-        assert f"{CALL_BEGIN}{k2_id}{ARGUMENT_BEGIN}" in text
-        assert f"## Return of {k2_id}\n" in text
-    assert not any(f"call_{x}" in text for x in ("abc", "def", "xyz"))
+        assert f"<|tool_call_begin|>{k2_id}<|tool_call_argument_begin|>" in text
+        assert f"## Return of {k2_id}\n    " in text
+    assert "call_abc" not in text and "call_xyz" not in text and "## Return of unknown\n" in text
+    # A generated id skips one already taken; off by default.
+    taken = [{"role": "user", "content": "x"},
+             {"role": "assistant", "tool_calls": [call("functions.f:1", "f", "{}"), call("call_q", "f", "{}")]}]
+    assert "<|tool_call_begin|>functions.f:2<" in render(taken, normalize_ids=True)
+    assert "<|tool_call_begin|>call_q<" in render(taken)
 
 
-def test_generated_ids_skip_ones_already_taken():
-    messages = [
-        {"role": "user", "content": "x"},
-        {"role": "assistant", "tool_calls": [call("functions.f:1", "f", "{}"), call("call_q", "f", "{}")]},
-        {"role": "tool", "tool_call_id": "call_q", "content": "ok"},
-    ]
-    text = render(messages)
-    assert f"{CALL_BEGIN}functions.f:2{ARGUMENT_BEGIN}" in text  # :1 is taken by the first call
-    assert "## Return of functions.f:2\n" in text
+# ---- pieces: markers, content and the assistant mask ----
 
 
-def test_dict_arguments_are_serialized():
-    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call("c", "f", {"a": 1})]}]
-    assert f'{ARGUMENT_BEGIN}{{"a": 1}}{CALL_END}' in render(messages)
+def test_pieces_tag_markers_content_and_assistant_output():
+    messages = weather_round() + [{"role": "assistant", "content": "Sunny in Paris, rain in Rome."}]
+    pieces = render_pieces(messages, [WEATHER])
+    assert "".join(p.text for p in pieces) == render(messages, [WEATHER])
+    from openk2.data.tokenizer import K2_SPECIAL_TOKENS
 
-
-# ---- the assistant mask ----
-
-
-def test_mask_tags_exactly_the_assistant_output():
-    messages = two_call_conversation() + [{"role": "assistant", "content": "Sunny in Paris, rain in Rome."}]
-    segments = render_with_mask(messages, tools=[WEATHER_TOOL])
-    assert "".join(text for text, _ in segments) == render(messages, tools=[WEATHER_TOOL])
-    assistant = [text for text, is_assistant in segments if is_assistant]
-    assert len(assistant) == 2
-    assert assistant[0].startswith("Checking both." + SECTION_BEGIN)
-    assert assistant[0].endswith(SECTION_END + IM_END)
-    assert assistant[1] == "Sunny in Paris, rain in Rome." + IM_END
-    # Headers, tool results and the generation prompt are prompt, and tags alternate after merging.
-    prompt = "".join(text for text, is_assistant in segments if not is_assistant)
+    assert all(p.text in K2_SPECIAL_TOKENS for p in pieces if p.marker)
+    # Client-controlled text is never a marker piece.
+    contents = [p.text for p in pieces if not p.marker]
+    assert "Checking both." in contents and "weird@id" in contents and '{"city": "Rome"}' in contents
+    segments = render_with_mask(messages, [WEATHER])
+    assert "".join(text for text, _ in segments) == render(messages, [WEATHER])
+    assistant = [text for text, mine in segments if mine]
+    assert assistant[0].startswith("Checking both.<|tool_calls_section_begin|>")
+    assert assistant[0].endswith("<|tool_calls_section_end|><|im_end|>")
+    assert assistant[1] == "Sunny in Paris, rain in Rome.<|im_end|>"
+    prompt = "".join(text for text, mine in segments if not mine)
     assert prompt.endswith(GENERATION_PROMPT) and "## Return of" in prompt
     assert all(a[1] != b[1] for a, b in zip(segments, segments[1:], strict=False))
 
@@ -208,16 +203,12 @@ def test_mask_tags_exactly_the_assistant_output():
         (["hi"], "must be a dict"),
         ([{"role": "user", "content": 3}], "content must be"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "image_url"),
-        ([{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c1", "content": "r"}], "matches no"),
         ([{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}], "without a tool_call_id"),
         ([{"role": "user", "content": "x", "tool_calls": [call("c", "f", "{}")]}], "only assistant"),
-        ([{"role": "assistant", "tool_calls": [call("c", "f", "{not json")]}], "not valid JSON"),
-        ([{"role": "assistant", "tool_calls": [call("c", "f", "[1, 2]")]}], "JSON object"),
-        ([{"role": "assistant", "tool_calls": [call("c", "f", 5)]}], "JSON string"),
-        ([{"role": "assistant", "tool_calls": [call("c", "bad name", "{}")]}], "function.name"),
-        ([{"role": "assistant", "tool_calls": [call("functions.g:0", "f", "{}")]}], "names function 'g'"),
-        ([{"role": "assistant", "tool_calls": [call("c", "f", "{}"), call("c", "f", "{}")]}], "repeats id"),
-        ([{"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f"}}]}], "type 'code'"),
+        ([{"role": "assistant", "tool_calls": [call("c", "f", object())]}], "not JSON-serialisable"),
+        ([{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}], "no arguments"),
+        ([{"role": "assistant", "tool_calls": ["f"]}], "'function' dict"),
+        ([{"role": "user", "name": 3, "content": "x"}], "name must be a string"),
     ],
 )
 def test_bad_input_raises_value_error(messages, match):
@@ -225,24 +216,23 @@ def test_bad_input_raises_value_error(messages, match):
         render(messages)
 
 
-def test_a_tool_result_cannot_answer_a_later_call():
-    messages = two_call_conversation()
-    messages.insert(1, {"role": "tool", "tool_call_id": "call_abc", "content": "too early"})
-    with pytest.raises(ValueError, match="matches no earlier"):
-        render(messages)
+def test_what_a_server_sent_renders_back():
+    """Anything the server answers (malformed calls, an empty name) must be accepted when the client sends it back."""
+    sent_back = [{"role": "user", "content": "x"},
+                 {"role": "assistant", "content": None,
+                  "tool_calls": [call("0", "", '{"a": '), call("functions.f:1", "f", "[1]")]},
+                 {"role": "tool", "tool_call_id": "0", "content": "error"}]
+    assert "<|tool_call_begin|>0<|tool_call_argument_begin|>{\"a\": <|tool_call_end|>" in render(sent_back)
 
 
-def test_bad_tools_raise_value_error():
+def test_bad_tools_and_template_raise_value_error():
     with pytest.raises(ValueError, match="tools"):
         render([{"role": "user", "content": "x"}], tools=["get_weather"])
+    with pytest.raises(ValueError, match="unknown chat template"):
+        render([{"role": "user", "content": "x"}], template="chatml")
 
 
 # ---- parsing the assistant's output ----
-
-
-def test_parse_plain_answer():
-    assert parse_assistant("It is sunny.<|im_end|>") == ("It is sunny.", [])
-    assert parse_assistant("No end token") == ("No end token", [])
 
 
 def test_parse_content_and_calls():
@@ -254,65 +244,18 @@ def test_parse_content_and_calls():
     )
     content, calls = parse_assistant(text)
     assert content == "Checking."
-    assert calls == [
-        call("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
-        call("functions.get_time:1", "get_time", '{"tz": "CET"}'),
-    ]
-
-
-def test_parse_tolerates_whitespace_and_dotted_names():
-    text = (
-        "<|tool_calls_section_begin|>\n  <|tool_call_begin|> functions.get_weather.v2:3 \n"
-        '<|tool_call_argument_begin|>\n {"city": "Oslo"} \n<|tool_call_end|>\n'
-        "<|tool_call_begin|>functions.search-web_2:4<|tool_call_argument_begin|>{}<|tool_call_end|>\n"
-        "<|tool_calls_section_end|>\n"
-    )
-    content, calls = parse_assistant(text)
-    assert content == ""
-    assert calls == [
-        call("functions.get_weather.v2:3", "get_weather.v2", '{"city": "Oslo"}'),
-        call("functions.search-web_2:4", "search-web_2", "{}"),
-    ]
-
-
-def test_parse_reports_malformed_arguments_without_raising():
-    text = (
-        "<|tool_calls_section_begin|>"
-        '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": <|tool_call_end|>'
-        '<|tool_call_begin|>functions.g:1<|tool_call_argument_begin|>{"b": 2}<|tool_call_end|>'
-        "<|tool_calls_section_end|><|im_end|>"
-    )
-    _, calls = parse_assistant(text)
-    assert calls[0]["function"] == {"name": "f", "arguments": '{"a":'}
-    assert "not valid JSON" in calls[0]["error"]
-    assert calls[1] == call("functions.g:1", "g", '{"b": 2}')
-
-
-def test_parse_output_cut_off_mid_call():
-    _, calls = parse_assistant(
-        '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a"'
-    )
-    assert calls[0]["id"] == "functions.f:0" and "not valid JSON" in calls[0]["error"]
+    assert calls == [call("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+                     call("functions.get_time:1", "get_time", '{"tz": "CET"}')]
+    assert parse_assistant("It is sunny.<|im_end|>") == ("It is sunny.", [])
 
 
 def test_render_parse_round_trip():
-    messages = two_call_conversation("call_1", "call_2")
+    messages = weather_round("functions.get_weather:0", "functions.get_weather:1")[:2]
     messages[1]["content"] = "Let me look.\n"
-    text = render(messages[:2], add_generation_prompt=False)
-    body = text[text.rindex(GENERATION_PROMPT) + len(GENERATION_PROMPT) :]
+    messages[1]["tool_calls"][1]["function"]["arguments"] = '{"city": "Rome"}'
+    text = render(messages, add_generation_prompt=False)
+    body = text[text.rindex(GENERATION_PROMPT) + len(GENERATION_PROMPT):]
     content, calls = parse_assistant(body)
-    assert content == "Let me look.\n"
-    assert calls == [
-        call("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
-        call("functions.get_weather:1", "get_weather", '{"city": "Rome"}'),
-    ]
-    # Parsed calls go straight back into a conversation and render to the same text.
+    assert content == "Let me look.\n" and calls == messages[1]["tool_calls"]
     assert render([messages[0], {"role": "assistant", "content": content, "tool_calls": calls}], None, False) == text
     assert all(json.loads(c["function"]["arguments"]) for c in calls)
-
-
-def test_markers_are_k2_special_tokens():
-    from openk2.data.tokenizer import K2_SPECIAL_TOKENS
-
-    markers = (IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END, SECTION_BEGIN, SECTION_END)
-    assert set(markers + (CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)) <= set(K2_SPECIAL_TOKENS)

@@ -37,13 +37,28 @@ SAMPLES: dict[str, list[str]] = {
         '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"cut": "of',
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0",
         "Stray <|tool_call_end|>markers<|tool_calls_section_end|> are dropped.<|tool_call_argument_begin|>",
+        "Singular.<|tool_call_section_begin|><|tool_call_begin|>0<|tool_call_argument_begin|>"
+        '{"city": "Rome"}<|tool_call_end|><|tool_call_begin|>call_7<|tool_call_argument_begin|>{"path": "/a"}'
+        "<|tool_call_end|><|tool_call_section_end|> Done.",
+        "Thinking aloud.<|tool_calls_section_begin|> the answer is 4, no call after all",
+    ],
+}
+
+# Declared tools the samples also run with (calls whose ids name no function resolve from these).
+SAMPLE_TOOLS: dict[str, list[dict]] = {
+    "kimi_k2": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+        {"type": "function", "function": {"name": "read_file", "parameters": {
+            "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
     ],
 }
 
 
-def parser_cases() -> list[tuple[str, str]]:
-    """(parser name, sample) for every registered parser that has samples."""
-    return [(name, text) for name in list_tool_parsers() for text in SAMPLES.get(name, [])]
+def parser_cases() -> list[tuple[str, str, bool]]:
+    """(parser name, sample, with declared tools?) for every registered parser that has samples."""
+    return [(name, text, with_tools) for name in list_tool_parsers() for text in SAMPLES.get(name, [])
+            for with_tools in (False, True)]
 
 
 def stream(parser: ToolParser, pieces: list[str]) -> ParseResult:
@@ -89,22 +104,23 @@ def test_unknown_parser_name_raises_value_error():
         get_tool_parser("nope")
 
 
-@pytest.mark.parametrize(("name", "text"), parser_cases())
-def test_streaming_over_random_splits_equals_parse(name, text):
+@pytest.mark.parametrize(("name", "text", "with_tools"), parser_cases())
+def test_streaming_over_random_splits_equals_parse(name, text, with_tools):
     cls = get_tool_parser(name)
-    expected = cls().parse(text)
-    assert stream(cls(), [text]) == expected
-    assert stream(cls(), list(text)) == expected  # one character at a time
-    rng = random.Random(f"{name}:{text}")  # str seeds are hashed stably, unlike hash()
-    parser = cls()
+    tools = SAMPLE_TOOLS.get(name) if with_tools else None
+    expected = cls(tools).parse(text)
+    assert stream(cls(tools), [text]) == expected
+    assert stream(cls(tools), list(text)) == expected  # one character at a time
+    rng = random.Random(f"{name}:{text}:{with_tools}")  # str seeds are hashed stably, unlike hash()
+    parser = cls(tools)
     for _ in range(30):
         parser.reset()  # one instance, reused: reset must clear everything
         assert stream(parser, random_split(text, rng)) == expected
 
 
-@pytest.mark.parametrize(("name", "text"), parser_cases())
-def test_parse_results_are_well_formed(name, text):
-    result = get_tool_parser(name)().parse(text)
+@pytest.mark.parametrize(("name", "text", "with_tools"), parser_cases())
+def test_parse_results_are_well_formed(name, text, with_tools):
+    result = get_tool_parser(name)(SAMPLE_TOOLS.get(name) if with_tools else None).parse(text)
     assert isinstance(result.content, str)
     for i, call in enumerate(result.tool_calls):
         assert call.index == i
@@ -192,10 +208,12 @@ def test_kimi_k2_malformed_calls_are_reported_not_raised():
     assert [c.name for c in calls] == ["f", "g"]
     assert "not valid JSON" in calls[0].error and calls[0].arguments == '{"a":'
     assert "must be a JSON object" in calls[1].error
-    calls = kimi().parse(SAMPLES["kimi_k2"][6]).tool_calls
-    assert calls[0] == ToolCall(0, "functions.f:0", "f", '{"x": 1}')  # closed by the next <|tool_call_begin|>
-    assert calls[1].id == "bad id!" and "malformed tool-call id" in calls[1].error
-    assert calls[2].name == "h" and "no <|tool_call_argument_begin|>" in calls[2].error
+    result = kimi().parse(SAMPLES["kimi_k2"][6])
+    assert result.tool_calls == [ToolCall(0, "functions.f:0", "f", '{"x": 1}')]  # closed by the next call begin
+    # A call naming no function, and one with no arguments, are dropped with a note each.
+    assert len(result.dropped) == 2
+    assert "'bad id!'" in result.dropped[0] and "no tools were declared" in result.dropped[0]
+    assert "'functions.h:2'" in result.dropped[1] and "no <|tool_call_argument_begin|>" in result.dropped[1]
 
 
 def test_kimi_k2_content_around_the_section():
@@ -208,10 +226,38 @@ def test_kimi_k2_content_around_the_section():
 def test_kimi_k2_output_cut_off():
     (cut,) = kimi().parse(SAMPLES["kimi_k2"][8]).tool_calls
     assert cut.arguments == '{"cut": "of' and "not valid JSON" in cut.error
-    (header_only,) = kimi().parse(SAMPLES["kimi_k2"][9]).tool_calls
-    assert header_only.name == "f" and "before the end of output" in header_only.error
+    header_only = kimi().parse(SAMPLES["kimi_k2"][9])
+    assert header_only.tool_calls == [] and "before the end of output" in header_only.dropped[0]
 
 
-def test_kimi_k2_ids_without_prefix_or_index_still_name_the_function():
+def test_kimi_k2_an_id_that_spells_a_declared_name_resolves_to_it():
     text = "<|tool_call_begin|>lookup<|tool_call_argument_begin|>{}<|tool_call_end|>"
-    assert kimi().parse(text).tool_calls == [ToolCall(0, "lookup", "lookup", "{}")]
+    tools = [{"type": "function", "function": {"name": n}} for n in ("lookup", "other")]
+    assert get_tool_parser("kimi_k2")(tools).parse(text).tool_calls == [ToolCall(0, "lookup", "lookup", "{}")]
+    assert kimi().parse(text).tool_calls == []  # without declared tools nothing names the function
+
+
+def test_kimi_k2_reset_keeps_the_declared_tools():
+    parser = get_tool_parser("kimi_k2")(SAMPLE_TOOLS["kimi_k2"])
+    text = SAMPLES["kimi_k2"][11]
+    first = stream(parser, [text])
+    parser.reset()
+    assert stream(parser, [text]) == first == parser.parse(text)
+    assert [c.name for c in first.tool_calls] == ["get_weather", "read_file"]
+
+
+def test_kimi_k2_resolution_schema_fit_keywords():
+    from openk2.chat.tool_parsers.resolve import declared_tools, fits, fits_arguments, infer_tool
+
+    assert fits({"type": "integer"}, 3) and fits({"type": "integer"}, 3.0) and not fits({"type": "integer"}, True)
+    assert not fits({"type": "number"}, False) and fits({"type": ["string", "null"]}, None)
+    assert fits({"type": "array", "items": {"type": "string"}}, ["a"]) and not fits({"items": {"type": "string"}}, [1])
+    assert not fits({"oneOf": [{"type": "number"}, {"type": "integer"}]}, 2)  # fits both: oneOf wants exactly one
+    assert fits({"enum": [1, "a"]}, 1) and not fits({"enum": [1]}, True) and not fits({"const": False}, 0)
+    assert fits({"type": "object", "properties": {"a": {"type": "object"}}}, {"a": {"free": 1}})  # nested: open
+    assert not fits_arguments({"type": "object"}, {"free": 1})  # top level: undeclared keys refused
+    assert fits_arguments(True, {}) and not fits_arguments(True, {"a": 1}) and not fits_arguments(False, {})
+    tools = declared_tools([{"type": "function", "function": {"name": "a"}}, {"function": {"name": 3}}, "junk",
+                            {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}])
+    assert [t.name for t in tools] == ["a"] and tools[0].parameters == {}  # first declaration wins
+    assert infer_tool((), "{}") == (None, "no tools were declared")

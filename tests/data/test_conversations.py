@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from openk2.chat.template import render
+from openk2.chat.template import GENERATION_PROMPT, render
 from openk2.config import ModelConfig
 from openk2.data import toolchat
 from openk2.data.conversations import (
     PAD_SEGMENT,
     ConversationLoader,
-    conversation_segments,
+    conversation_pieces,
     pack_row,
     read_conversations,
     split_conversations,
     tokenize_conversations,
-    tokenize_segments,
+    tokenize_pieces,
 )
 from openk2.data.packing import IGNORE_INDEX
 from openk2.data.tokenizer import train_tokenizer
@@ -57,16 +57,16 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
 
 
 def test_loss_mask_covers_exactly_the_assistant_tokens(tokenizer):
-    ids, mask = tokenize_segments(conversation_segments(TOOL_CONVERSATION), tokenizer)
-    # Segment-wise tokens are the whole rendered text's tokens: no merge crosses a mask boundary.
-    whole = render(TOOL_CONVERSATION["messages"], TOOL_CONVERSATION["tools"], add_generation_prompt=False)
+    ids, mask = tokenize_pieces(conversation_pieces(TOOL_CONVERSATION), tokenizer)
+    # Piece-wise tokens are the whole rendered text's tokens (every turn closed, as when the chat goes on).
+    whole = render(TOOL_CONVERSATION["messages"], TOOL_CONVERSATION["tools"]).removesuffix(GENERATION_PROMPT)
     assert ids.tolist() == tokenizer.encode(whole, allow_special=True)
     im_end, section = tokenizer.special_ids["<|im_end|>"], tokenizer.special_ids["<|tool_calls_section_begin|>"]
     assert int((ids == im_end).sum()) == 1 + len(TOOL_CONVERSATION["messages"])  # tool_declare + each message
     runs = [tokenizer.decode(ids[a:b].tolist()) for a, b in _runs(mask)]
     assert runs == [
-        'Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-        '{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>functions.calculate:1<|tool_call_argument_begin|>'
+        'Checking.<|tool_calls_section_begin|><|tool_call_begin|>a<|tool_call_argument_begin|>'
+        '{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>b<|tool_call_argument_begin|>'
         '{"expression": "3 * 4"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
         "5 degrees in Oslo; 3 * 4 = 12.<|im_end|>",
         "You're welcome!<|im_end|>",
@@ -78,7 +78,7 @@ def test_loss_mask_covers_exactly_the_assistant_tokens(tokenizer):
 
 
 def test_special_token_text_in_content_is_its_single_id(tokenizer):
-    ids, mask = tokenize_segments(conversation_segments(
+    ids, mask = tokenize_pieces(conversation_pieces(
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}), tokenizer)
     assert all(0 <= i < tokenizer.vocab_size for i in ids)
     header = tokenizer.encode("<|im_assistant|>assistant<|im_middle|>", allow_special=True)
@@ -108,7 +108,7 @@ def test_read_errors_name_the_file_and_line(tmp_path):
 
 def test_overlong_conversations_are_truncated_or_skipped_and_counted(tokenizer):
     conversations = toolchat.generate(40, seed=1)
-    lengths = [len(tokenize_segments(conversation_segments(c), tokenizer)[0]) for c in conversations]
+    lengths = [len(tokenize_pieces(conversation_pieces(c), tokenizer)[0]) for c in conversations]
     limit = int(np.median(lengths))
     over = sum(n > limit for n in lengths)
     cut = tokenize_conversations(conversations, tokenizer, limit, "truncate")

@@ -1,5 +1,6 @@
-"""BFCL single-turn categories on the real bfcl-eval data: gold replay scores 100%, each kind of wrong answer
-scores 0 with its reason, every function doc becomes a valid tool schema, and a real tiny model runs end to end."""
+"""BFCL single-turn categories on the real bfcl-eval data: gold replay scores 100% (but for four live entries
+no answer can pass), each kind of wrong answer scores 0 with BFCL's reason and ours, every function doc becomes
+a valid tool schema, and a real tiny model runs end to end."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from openk2.eval import registry  # noqa: E402
 from openk2.eval.base import EvalContext, Sample, ScriptedChatModel  # noqa: E402
 from openk2.eval.bfcl import (  # noqa: E402
     CATEGORIES,
-    SYSTEM_PROMPT,
     BFCLBenchmark,
     check_calls,
     standardize,
@@ -40,13 +40,25 @@ def sample(category: str, sample_id: str) -> Sample:
     return next(s for s in BFCLBenchmark(category).samples() if s.id == sample_id)
 
 
+# Live entries no answer can pass under BFCL's checker: a required parameter whose possible answers are empty
+# (live_simple 106, 112), a gold parameter the doc does not declare (live_multiple 862) or a gold parameter
+# other than the one the doc requires (live_multiple 964).
+UNANSWERABLE = {"live_simple_106-63-0", "live_simple_112-68-0", "live_multiple_862-181-3", "live_multiple_964-207-0"}
+SIZES = {"simple": 400, "irrelevance": 240, "live_simple": 258, "live_multiple": 1053, "live_parallel": 16,
+         "live_parallel_multiple": 24, "live_irrelevance": 884, "live_relevance": 16}
+
+
 @pytest.mark.parametrize("category", list(CATEGORIES))
 def test_oracle_scores_every_sample(category):
     bench = BFCLBenchmark(category)
     samples = bench.samples()
-    assert len(samples) == {"simple": 400, "irrelevance": 240}.get(category, 200)
-    failed = [(s.id, v.detail) for s in samples if (v := bench.evaluate(bench.oracle(s), s, CTX)).score != 1.0]
-    assert failed == []
+    assert len(samples) == SIZES.get(category, 200)
+    verdicts = {s.id: bench.evaluate(bench.oracle(s), s, CTX) for s in samples}
+    failed = {i for i, v in verdicts.items() if v.score != 1.0}
+    assert failed == {i for i in UNANSWERABLE if i.startswith(category + "_")}
+    # our diagnostic agrees on gold, but for live_multiple_507's required '' (BFCL accepts it, we do not)
+    disagree = {i for i, v in verdicts.items() if (v.score == 1.0) != v.detail["diagnostic"]["valid"]}
+    assert disagree == ({"live_multiple_507-149-4"} if category == "live_multiple" else set())
 
 
 def test_oracle_replies():
@@ -63,7 +75,7 @@ def test_oracle_replies():
 
 def test_names_registry_and_limits():
     for category in CATEGORIES:
-        name = "bfcl-" + category.replace("_", "-")
+        name = "bfcl-" + category.replace("_", "-")  # bfcl-live-simple, ...
         bench = registry.get(name)
         assert bench.name == name and bench.category == category and bench.description
     ids = [s.id for s in BFCLBenchmark("parallel").samples(limit=3)]
@@ -72,34 +84,38 @@ def test_names_registry_and_limits():
         BFCLBenchmark("java")
 
 
-@pytest.mark.parametrize(("calls", "kind"), [
-    ([("calculate_triangle_area", {"base": 10, "height": 5})], None),
-    ([("calculate_triangle_area", {"base": 10.0, "height": 5})], "wrong_type"),  # a float is not an integer
-    ([("calculate_triangle_area", {"base": "10", "height": 5})], "wrong_type"),
-    ([("calculate_triangle_area", {"base": 10, "height": 6})], "wrong_value"),
-    ([("calculate_triangle_area", {"base": 10})], "missing_required"),
-    ([("calculate_triangle_area", {"base": 10, "height": 5, "colour": "red"})], "unexpected_param"),
-    ([("calculate_triangle_area", {"base": 10, "height": 5, "unit": "Units "})], None),  # normalised string
-    ([("calculate_triangle_area", {"base": 10, "height": 5, "unit": "cm"})], "wrong_value"),
-    ([("triangle_area", {"base": 10, "height": 5})], "wrong_function"),
-    ([("calculate_triangle_area", {"base": 10, "height": 5})] * 2, "wrong_count"),
-    ([], "wrong_count"),
-    ([("calculate_triangle_area", '{"base": 10, "height": ')], "bad_arguments"),
-    ([("calculate_triangle_area", "[10, 5]")], "bad_arguments"),
+@pytest.mark.parametrize(("calls", "official", "kind"), [
+    ([("calculate_triangle_area", {"base": 10, "height": 5})], None, None),
+    ([("calculate_triangle_area", {"base": 10.0, "height": 5})], "type_error:simple", "wrong_type"),  # not an int
+    ([("calculate_triangle_area", {"base": "10", "height": 5})], "type_error:simple", "wrong_type"),
+    ([("calculate_triangle_area", {"base": 10, "height": 6})], "value_error:others", "wrong_value"),
+    ([("calculate_triangle_area", {"base": 10})], "simple_function_checker:missing_required", "missing_required"),
+    ([("calculate_triangle_area", {"base": 10, "height": 5, "colour": "red"})],
+     "simple_function_checker:unexpected_param", "unexpected_param"),
+    ([("calculate_triangle_area", {"base": 10, "height": 5, "unit": "Units "})], None, None),  # normalised string
+    ([("calculate_triangle_area", {"base": 10, "height": 5, "unit": "cm"})], "value_error:string", "wrong_value"),
+    ([("triangle_area", {"base": 10, "height": 5})], "simple_function_checker:wrong_func_name", "wrong_function"),
+    ([("calculate_triangle_area", {"base": 10, "height": 5})] * 2, "simple_function_checker:wrong_count",
+     "wrong_count"),
+    ([], "ast_decoder:decoder_failed", "wrong_count"),
+    ([("calculate_triangle_area", '{"base": 10, "height": ')], "ast_decoder:decoder_failed", "bad_arguments"),
+    ([("calculate_triangle_area", "[10, 5]")], "ast_decoder:decoder_wrong_output_format", "bad_arguments"),
 ])
-def test_simple_wrong_answers_score_zero_with_reason(calls, kind):
+def test_simple_wrong_answers_score_zero_with_reason(calls, official, kind):
     bench = BFCLBenchmark("simple")
     s = sample("simple", "simple_python_0")  # calculate_triangle_area(base=10, height=5, unit optional 'units')
     model = calls_model(*calls) if calls else ScriptedChatModel(["The area is 25."])
     verdict = bench.evaluate(model, s, CTX)
-    assert verdict.score == (1.0 if kind is None else 0.0)
-    assert verdict.detail.get("error_type") == kind
-    if kind is not None:
+    assert verdict.score == (1.0 if official is None else 0.0)
+    assert verdict.detail.get("error_type") == official  # BFCL's reason
+    assert verdict.detail["diagnostic"]["error_type"] == kind and verdict.detail["diagnostic"]["valid"] == (
+        kind is None)
+    if official is not None:
         assert verdict.detail["error"] and verdict.detail["expected"] == s.data["ground_truth"]
     json.dumps({"answer": verdict.answer, "detail": verdict.detail})  # records must be JSON
 
 
-def test_dotted_names_are_renamed_and_mapped_back():
+def test_dotted_names_are_renamed_and_only_the_diagnostic_maps_them_back():
     bench = BFCLBenchmark("simple")
     s = sample("simple", "simple_python_1")  # math.factorial(number=5)
     seen = {}
@@ -111,12 +127,18 @@ def test_dotted_names_are_renamed_and_mapped_back():
 
     assert bench.evaluate(Recording(), s, CTX).score == 1.0
     assert [t["function"]["name"] for t in seen["tools"]] == ["math_factorial"]
-    assert seen["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
-    assert seen["messages"][1]["role"] == "user" and "factorial" in seen["messages"][1]["content"]
+    assert seen["tools"][0]["function"]["description"].endswith("Note that the provided function is in Python 3 "
+                                                                 "syntax.")  # BFCL's runner hint
+    # no system prompt: the sample's messages as they are, as BFCL's function-calling runner sends them
+    assert [m["role"] for m in seen["messages"]] == ["user"] and "factorial" in seen["messages"][0]["content"]
     assert seen["sampling"] == CTX.sampling(s.id)
-    # A model that echoes BFCL's dotted name is understood too; another function is not.
-    assert bench.evaluate(calls_model(("math.factorial", {"number": 5})), s, CTX).score == 1.0
-    assert bench.evaluate(calls_model(("math_hypot", {"number": 5})), s, CTX).detail["error_type"] == "wrong_function"
+    # A model that echoes BFCL's dotted name fails BFCL's check (it was offered math_factorial); our diagnostic
+    # maps the name back (a known difference). Another function fails both.
+    dotted = bench.evaluate(calls_model(("math.factorial", {"number": 5})), s, CTX)
+    assert dotted.score == 0.0 and dotted.detail["error_type"] == "simple_function_checker:wrong_func_name"
+    assert dotted.detail["diagnostic"]["valid"] is True
+    other = bench.evaluate(calls_model(("math_hypot", {"number": 5})), s, CTX)
+    assert other.score == 0.0 and other.detail["diagnostic"]["error_type"] == "wrong_function"
 
 
 def test_parallel_any_order_but_one_call_each():
@@ -129,8 +151,11 @@ def test_parallel_any_order_but_one_call_each():
     # The same correct call twice answers only one gold call.
     doubled = [(gold[0]["name"], gold[0]["arguments"])] * len(gold)
     verdict = bench.evaluate(calls_model(*doubled), s, CTX)
-    assert verdict.score == 0.0 and verdict.detail["error_type"] == "wrong_value"
-    assert bench.evaluate(calls_model(*reordered[:-1]), s, CTX).detail["error_type"] == "wrong_count"
+    assert verdict.score == 0.0 and verdict.detail["diagnostic"]["error_type"] == "wrong_value"
+    assert verdict.detail["error_type"] == "parallel_function_checker_no_order:cannot_find_match"
+    short = bench.evaluate(calls_model(*reordered[:-1]), s, CTX)
+    assert short.detail["error_type"] == "parallel_function_checker_no_order:wrong_count"
+    assert short.detail["diagnostic"]["error_type"] == "wrong_count"
 
 
 def test_parallel_pairing_is_a_matching_not_greedy():
@@ -148,8 +173,21 @@ def test_irrelevance_needs_no_call():
     assert bench.evaluate(ScriptedChatModel(["I can't compute that with these tools."]), s, CTX).score == 1.0
     name = tool_name(s.data["functions"][0]["name"])
     verdict = bench.evaluate(calls_model((name, {})), s, CTX)
-    assert verdict.score == 0.0 and verdict.detail["error_type"] == "irrelevance_call"
+    assert verdict.score == 0.0 and verdict.detail["error_type"] == "irrelevance_error:decoder_success"
+    assert verdict.detail["diagnostic"]["error_type"] == "irrelevance_call"
     assert verdict.answer["tool_calls"] == [{"name": name, "arguments": "{}"}]
+    # a call whose arguments do not parse is no call to BFCL, a call to our diagnostic (a known difference)
+    broken = bench.evaluate(calls_model((name, '{"x": ')), s, CTX)
+    assert broken.score == 1.0 and broken.detail["diagnostic"]["error_type"] == "irrelevance_call"
+
+
+def test_relevance_needs_a_call():
+    bench = BFCLBenchmark("live_relevance")
+    s = bench.samples(limit=1)[0]
+    assert bench.evaluate(bench.oracle(s), s, CTX).score == 1.0
+    verdict = bench.evaluate(ScriptedChatModel(["No."]), s, CTX)
+    assert verdict.score == 0.0 and verdict.detail["error_type"] == "relevance_error:decoder_failed"
+    assert verdict.detail["diagnostic"]["error_type"] == "no_call"
 
 
 def test_value_rules():
@@ -194,7 +232,7 @@ def test_every_function_doc_is_a_valid_tool(category):
             all_params.append(params)
     assert len(all_params) >= len(BFCLBenchmark(category).samples())
     jsonschema = pytest.importorskip("jsonschema")
-    for params in random.Random(0).sample(all_params, 40):
+    for params in random.Random(0).sample(all_params, min(40, len(all_params))):
         jsonschema.Draft202012Validator.check_schema(params)
 
 
@@ -224,7 +262,9 @@ def test_real_tiny_model_end_to_end(tiny_chat_model):
         verdict = bench.evaluate(tiny_chat_model, s, ctx)
         assert verdict.score in (0.0, 1.0)
         assert set(verdict.answer) == {"content", "tool_calls"}
-        assert verdict.score == 1.0 or verdict.detail["error_type"] in {
+        assert verdict.score == 1.0 or verdict.detail["error_type"].split(":")[0] in {
+            "ast_decoder", "simple_function_checker", "type_error", "value_error"}
+        assert verdict.detail["diagnostic"]["valid"] or verdict.detail["diagnostic"]["error_type"] in {
             "wrong_count", "wrong_function", "bad_arguments", "bad_call", "missing_required", "unexpected_param",
             "wrong_type", "wrong_value", "missing_param", "unpaired"}
         json.dumps({"id": s.id, "score": verdict.score, "answer": verdict.answer, "detail": verdict.detail})

@@ -164,16 +164,19 @@ def test_conversation_loop_with_rule_based_models(retail):
     assert last_user_view[-1]["content"] == "Your order #W6390527 is delivered."
 
 
-def test_model_under_test_plays_the_user_without_user_model(retail):
+def test_user_model_is_required_and_may_be_the_model_under_test(retail):
     def both(messages, tools):
         if tools is None:  # the user's role
             return "Please cancel my order." if len(messages) == 2 else f"Bye {STOP}"
-        return "I cannot do that."
+        return f"I cannot do that. {STOP}"  # an agent's ###STOP### is text for the user, as in tau2
 
     model = RecordingModel(both)
-    v = retail.evaluate(model, _sample(retail, "90"), EvalContext())
+    with pytest.raises(ValueError, match="needs a user model"):  # tau2 uses a separate user simulator
+        retail.evaluate(model, _sample(retail, "90"), EvalContext())
+    v = retail.evaluate(model, _sample(retail, "90"), EvalContext(user_model=model))
     assert v.detail["termination"] == "user_stop"
     assert [r["tools"] is None for r in model.requests] == [True, False, True]  # user, agent, user
+    assert Tau2Benchmark.__init__.__defaults__[2:] == (200, 10)  # tau2's max_steps and max_errors
 
 
 def test_tool_errors_go_back_to_the_agent(retail):
@@ -205,6 +208,11 @@ def test_step_cap_and_failing_models(retail):
     v = capped.evaluate(chatty, _sample(retail, "62"), EvalContext(user_model=ScriptedChatModel(["Hmm."])))
     assert v.score == 0.0 and v.detail["termination"] == "max_steps" and v.detail["num_steps"] == 7
     assert len(v.answer) == 8 and "max_steps" in v.detail["error"]
+    # a stop that lands on the limit is still the limit (tau2 checks the steps after the stop)
+    at_limit = Tau2Benchmark("retail", max_steps=3)
+    at_limit.tau2 = retail.tau2
+    v = at_limit.evaluate(chatty, _sample(retail, "62"), EvalContext(user_model=ScriptedChatModel(["Hmm.", STOP])))
+    assert v.detail["termination"] == "max_steps" and v.detail["num_steps"] == 3
 
     class TooLong(ChatModel):
         def chat(self, messages, tools=None, **sampling):
@@ -260,9 +268,10 @@ def test_smollm2_plays_agent_and_user_to_a_verdict():
 
     bench = Tau2Benchmark("retail", max_steps=2)
     sample = bench.samples(1)[0]
-    verdict = bench.evaluate(load_chat_model("hf:smollm2"), sample, EvalContext(max_tokens=16))
+    model = load_chat_model("hf:smollm2")
+    verdict = bench.evaluate(model, sample, EvalContext(max_tokens=16, user_model=model))
     assert verdict.score in (0.0, 1.0) and verdict.detail["num_steps"] <= 3
-    assert verdict.detail["termination"] in {"max_steps", "user_stop", "transfer", "out_of_scope", "agent_stop",
+    assert verdict.detail["termination"] in {"max_steps", "user_stop", "transfer", "out_of_scope",
                                              "agent_error", "user_error", "too_many_errors"}
     assert verdict.answer[0] == {"role": "assistant", "content": GREETING} and verdict.answer[1]["role"] == "user"
     assert verdict.score == 1.0 or verdict.detail["error"]

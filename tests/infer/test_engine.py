@@ -8,7 +8,7 @@ import torch
 
 from openk2 import K2ForCausalLM, ModelConfig
 from openk2.data.tokenizer import train_tokenizer
-from openk2.infer.engine import Engine, LatentKVCache, SamplingParams, absorbed_attention, expanded_attention
+from openk2.infer.engine import Engine, PagedLatentCache, SamplingParams, absorbed_attention, expanded_attention
 from openk2.infer.sampling import filter_top_k_top_p
 from openk2.model import ForwardStats
 
@@ -76,7 +76,7 @@ def test_greedy_decode_matches_full_forward_ragged_batch(model):
         assert_matches_full_forward(model, r)
         assert r.logits.argmax(-1).tolist() == r.token_ids
     assert not engine.has_unfinished()
-    assert engine.cache.lengths == [0, 0, 0]
+    assert all(r == 0 for r in engine.cache.refs)  # every block released
 
 
 def test_tiny_preset_matches_full_forward():
@@ -249,7 +249,7 @@ def test_step_api_add_request_mid_flight_and_abort(model):
     a = engine.add_request(prompts[0], params)
     doomed = engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=15))
     assert engine.step() == []  # prefill: the first token of each
-    assert [len(s.tokens) for s in engine._running.values()] == [1, 1]
+    assert [len(s.tokens) for s in engine._running] == [1, 1]
     assert engine.step() == []  # one decode step: one more token each
     c = engine.add_request(prompts[2], params, request_id="late")
     engine.abort(doomed)
@@ -310,8 +310,8 @@ def test_request_validation(model):
 
 def test_cache_holds_latent_and_rope_key_only():
     cfg = ModelConfig.preset("tiny")
-    cache = LatentKVCache(cfg, max_batch_size=2, max_seq_len=8)
-    assert cache.kv.shape == (cfg.num_hidden_layers, 2, 8, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    cache = PagedLatentCache(cfg, num_blocks=2, block_size=8)
+    assert cache.kv.shape == (cfg.num_hidden_layers, 2 * 8, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     assert cache.bytes_per_token == cfg.num_hidden_layers * (64 + 16) * 4
     per_head = cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * 4
     assert per_head / cache.bytes_per_token == pytest.approx(4.0)

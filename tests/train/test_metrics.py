@@ -1,5 +1,7 @@
 """Metrics JSONL, resume truncation and the run plots."""
 
+import json
+
 from openk2.train.metrics import MetricsLogger, plot_run, read_metrics
 
 
@@ -30,3 +32,19 @@ def test_plots_are_written(tmp_path):
     written = plot_run(tmp_path)
     assert sorted(p.name for p in written) == ["expert_load.png", "loss.png", "max_logit.png"]
     assert all(p.stat().st_size > 5000 for p in written)
+
+
+def test_fresh_start_keeps_earlier_metrics_aside(tmp_path, capsys):
+    """A run restarted from scratch in a used directory (e.g. every checkpoint corrupt) loses no records."""
+    first = MetricsLogger(tmp_path)
+    first.log({"step": 1, "loss": 2.0})
+    first.close()
+    second = MetricsLogger(tmp_path)
+    second.log({"step": 1, "loss": 3.0})
+    second.close()
+    assert "earlier metrics kept as metrics.previous-1.jsonl" in capsys.readouterr().err
+    assert [r["loss"] for r in read_metrics(tmp_path)] == [3.0]
+    kept = (tmp_path / "metrics.previous-1.jsonl").read_text().splitlines()
+    assert [json.loads(line)["loss"] for line in kept] == [2.0]
+    MetricsLogger(tmp_path).close()
+    assert (tmp_path / "metrics.previous-2.jsonl").is_file()

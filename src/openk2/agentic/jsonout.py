@@ -4,6 +4,8 @@ Models wrap JSON in code fences, put prose around it, or break it. `extract_json
 decodable object or array in a reply; `ask_json` sends the request, checks the value with a caller's
 validator and, on failure, shows the model its reply and the error and asks again, a bounded number of times.
 Every attempt and failure is counted in a `JSONStats`, so a run can report how often its models misbehave.
+A transport failure (`openk2.llm.transport`: the endpoint is down after the backend's retries) is no reply at
+all: it is raised, never counted as a bad attempt, so the caller's work item stays pending.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openk2.llm.base import ChatModel
+from openk2.llm.transport import is_transport_error
 
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
 _DECODER = json.JSONDecoder()
@@ -65,7 +68,8 @@ async def ask_json(model: ChatModel, messages: Sequence[dict], validate: Validat
     """The validated JSON value of the model's reply to `messages`, or None after `max_attempts` bad replies.
 
     `validate(value)` returns the value to keep (it may normalise it) or raises ValueError with a message the
-    model is shown on the retry. Model exceptions count as failed attempts too (reason "model_error").
+    model is shown on the retry. Model exceptions count as failed attempts too (reason "model_error"), except
+    transport failures, which are raised.
     """
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -76,7 +80,9 @@ async def ask_json(model: ChatModel, messages: Sequence[dict], validate: Validat
         stats.attempts += 1
         try:
             reply = (await model.achat(convo, **sampling))[0].content or ""
-        except Exception:  # noqa: BLE001 - a flaky backend is one failed attempt, not a crashed run
+        except Exception as err:  # noqa: BLE001 - a flaky backend is one failed attempt, not a crashed run
+            if is_transport_error(err):
+                raise
             stats.count_failure("model_error")
             continue
         try:

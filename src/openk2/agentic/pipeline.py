@@ -16,6 +16,10 @@ Every work item is appended as soon as it finishes (`JsonlStore`), so an interru
 same config skips what is on disk and does the rest. Within a stage, items run concurrently under asyncio; all
 model calls share one semaphore (`run.concurrency`). Randomness (toolsets, personas, fault draws) is keyed by
 (seed, item id), so it does not depend on the order items finish in.
+
+A model endpoint that is down after the backend's retries (`openk2.llm.transport`) produces nothing: the item
+that needed it is not stored, the stage's other items are cancelled, and the run stops with `EndpointUnreachable`
+naming the stage; the same command started again does the pending items.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from openk2.agentic.synth_config import SynthConfig
 from openk2.agentic.tools import Tool, dedup_tools, read_tools, tool_stats, write_tools
 from openk2.agentic.users import UserSimulator, pick_persona
 from openk2.llm.base import ChatModel
+from openk2.llm.transport import EndpointUnreachable, describe, is_transport_error
 
 ROLES = ("generator", "agent", "user", "tool_simulator", "judge")
 
@@ -63,16 +68,25 @@ class ThrottledChatModel(ChatModel):
 
 
 async def run_concurrently(items: Sequence[Any], work: Callable[[Any], Awaitable[None]], desc: str) -> None:
-    """`work(item)` for every item at once (the model semaphore does the limiting), with a progress bar."""
+    """`work(item)` for every item at once (the model semaphore does the limiting), with a progress bar; the
+    first failure cancels the rest (a transport failure becomes `EndpointUnreachable` naming the stage)."""
     bar = tqdm(total=len(items), desc=desc, unit="item", leave=False)
 
     async def one(item: Any) -> None:
         await work(item)
         bar.update()
 
+    tasks = [asyncio.ensure_future(one(item)) for item in items]
     try:
-        await asyncio.gather(*(one(item) for item in items))
+        await asyncio.gather(*tasks)
+    except Exception as err:
+        if is_transport_error(err) and not isinstance(err, EndpointUnreachable):
+            raise EndpointUnreachable(f"stage {desc!r}: {describe(err)}") from err
+        raise
     finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         bar.close()
 
 
@@ -138,27 +152,41 @@ class SynthPipeline:
 
     async def arun(self) -> dict[str, Any]:
         start = time.perf_counter()
-        models = self._load_models(asyncio.Semaphore(self.cfg.run.concurrency))
         servers: list[MCPServer] = []
         try:
+            models = self._load_models(asyncio.Semaphore(self.cfg.run.concurrency))
             repo = await self._tool_stages(models["generator"], servers)
             real = {t.name: s for s in servers if s.name in self.cfg.tools.real_execution for t in repo
                     if t.source == "mcp" and t.origin.get("server") == s.name}
             agents = await self._agents(models["generator"], repo)
             tasks = await self._tasks(models["generator"], agents, repo)
             await self._episodes(models, agents, tasks, repo, real)
+        except Exception as err:
+            if is_transport_error(err):
+                raise self._stopped(err) from err
+            raise
         finally:
             self._close(servers)
         return self._finish(time.perf_counter() - start)
 
     async def abuild_tools(self) -> list[Tool]:
         """Only the tool stages (domains, synthetic tools, repository); returns the repository."""
-        generator = self._load_models(asyncio.Semaphore(self.cfg.run.concurrency), roles=("generator",))
         servers: list[MCPServer] = []
         try:
+            generator = self._load_models(asyncio.Semaphore(self.cfg.run.concurrency), roles=("generator",))
             return await self._tool_stages(generator["generator"], servers)
+        except Exception as err:
+            if is_transport_error(err):
+                raise self._stopped(err) from err
+            raise
         finally:
             self._close(servers)
+
+    def _stopped(self, err: Exception) -> EndpointUnreachable:
+        """The one-line `EndpointUnreachable` for transport failure `err`, saying how to resume."""
+        what = str(err) if isinstance(err, EndpointUnreachable) else describe(err)
+        return EndpointUnreachable(f"an endpoint could not be reached after its retries ({what}); finished work "
+                                   f"is kept in {self.out}: rerun the same command to do the rest")
 
     def _close(self, servers: list[MCPServer]) -> None:
         for server in servers:

@@ -4,7 +4,8 @@ The user simulator opens with a request; the agent (any ChatModel, a strong remo
 or calls tools, which the tool simulator executes; after each final answer the user may follow up or end.
 The episode stops when the user ends it, after `max_user_turns` user messages, or after `max_agent_steps`
 agent replies in total. The result is a `Trajectory`: OpenAI messages, the tools offered, the world state and
-how the episode ended.
+how the episode ended. A transport failure of any model (`openk2.llm.transport`) is not an ending: it is raised,
+and the episode is not recorded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from openk2.agentic.simulate import ToolSimulator
 from openk2.agentic.tools import Tool
 from openk2.agentic.users import Persona, UserSimulator
 from openk2.llm.base import ChatModel
+from openk2.llm.transport import is_transport_error
 
 
 @dataclass
@@ -58,6 +60,8 @@ async def run_episode(trajectory_id: str, agent: Agent, task: Task, tools: list[
         try:
             reply = (await agent_model.achat(messages, tools=specs, **sampling))[0]
         except Exception as err:  # noqa: BLE001 - one failed episode must not stop the run
+            if is_transport_error(err):  # the endpoint is down: no episode, it stays pending
+                raise
             end_reason = f"agent_error: {type(err).__name__}: {err}"[:200]
             break
         messages.append(_clean(reply.message()))

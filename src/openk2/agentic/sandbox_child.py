@@ -1,8 +1,17 @@
-"""The sandbox child: runs the code and its tests inside the sandbox, under rlimits and an audit hook.
+"""The sandboxed runners' entry point and the candidate role: run the untrusted code, then answer calls.
 
-`openk2.agentic.sandbox` starts this file as a script, `python -I -B <path of this file>`, inside the kernel
-layers it sets up (namespaces, dropped capabilities, pids cgroup). The child adds the innermost two layers of
-the stack (docs/sandbox.md has the threat model):
+`openk2.agentic.sandbox` starts this file as a script, `python -I -B <runner dir>/sandbox_child.py`, inside
+the kernel layers (bubblewrap, seccomp, cgroups: docs/sandbox.md). The parent writes one JSON config to
+stdin; its `role` picks what the process does:
+
+  candidate  runs the code as module `__main__` under rlimits and the audit hook below, reports a load error
+             (if any) on `report_fd`, then, when a judge exists, answers its requests on `call_in`/`call_out`
+             (`sandbox_wire` frames: look up a name, call a function, read an attribute) until the judge
+             hangs up. It never sees the tests and reports no test result.
+  judge      `sandbox_judge.py`: runs the tests in its own sandbox against handles to the candidate and
+             reports each outcome; the only source of a reward.
+
+In-process layers of the candidate (defence in depth; the kernel layers are the wall):
 
   rlimits      CPU seconds, address space, file size, open files, (non-root) processes; no core files
   audit hook   denies sockets, process creation beyond max_processes, exec, hand-made code objects, gc
@@ -10,12 +19,8 @@ the stack (docs/sandbox.md has the threat model):
                signals to processes other than itself and its children: a violation ends the run at once with
                its reason. Importing ctypes or cffi raises ImportError instead (libraries fall back without it)
 
-Protocol: the parent writes one JSON config to stdin (root, code, tests, stdin, nonce, report_fd, limits,
-cpu_seconds); the child answers with JSON lines on `report_fd` (`layers`, `error`, `collected`, `test`,
-`killed`, `done`), each carrying the nonce because the code shares the child's file descriptors.
-`-I` leaves this file's directory off sys.path, and every import here runs before the code does, so the child
-imports nothing from openk2: the standard library only, the rarely needed parts lazily. The parent imports this
-module just for SOLUTION_FILE, TESTS_FILE and the path of the script.
+Report lines are JSON with a nonce. Standard library only (plus `sandbox_wire.py` beside this file):
+`-I` leaves this directory off sys.path, so the runner adds it just long enough to import the wire.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 
 SOLUTION_FILE = "solution.py"  # the code runs as module __main__ (also importable as `solution`) from this file
 TESTS_FILE = "test_solution.py"
-_ERROR_CHARS = 2000  # per-test error text kept in results
+_ERROR_CHARS = 2000  # per-error text kept in results
 
 
 def _child_main() -> None:
@@ -43,28 +48,118 @@ def _child_main() -> None:
     def report(event: str, **fields: Any) -> None:
         os.write(report_fd, (json.dumps({"nonce": nonce, "event": event, **fields}) + "\n").encode())
 
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import sandbox_wire
+
+    sys.path.remove(here)
+    sys.path.extend(config.get("extra_paths", []))  # the interpreter's site-packages, bound read-only
+    _set_rlimits(config["limits"], config["cpu_seconds"])
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # CPython ignores it; a kill names the file-size limit clearly
+    os.chdir(config["root"])
+    if config["role"] == "judge":
+        sys.path.insert(0, here)
+        import sandbox_judge
+
+        sys.path.remove(here)
+        sandbox_judge.judge_main(config, report, sandbox_wire)
+    else:
+        _candidate_main(config, report, sandbox_wire)
+    _flush_std_streams()
+    report("done")
+    os._exit(0)  # neither the code's leftover threads nor its atexit handlers may hold the run past its result
+
+
+def _candidate_main(config: dict, report: Any, wire: Any) -> None:
+    """Load the code under the audit hook, then serve the judge (if any) until it hangs up."""
+    import io
+    import types
+
     def violation(reason: str) -> None:
         report("killed", reason=reason)
         _flush_std_streams()
         os._exit(111)
 
-    import io
-
-    _set_rlimits(config["limits"], config["cpu_seconds"])
-    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # CPython ignores it; a kill names the file-size limit clearly
     sys.stdin = io.StringIO(config["stdin"])
     root = config["root"]
     with open(os.path.join(root, SOLUTION_FILE), "w") as f:  # on disk so tracebacks can show source lines
         f.write(config["code"])
-    if config["tests"] is not None:
-        with open(os.path.join(root, TESTS_FILE), "w") as f:
-            f.write(config["tests"])
     report("layers", layers=["rlimits", "audit-hook"])
     _install_audit_hook(root, config["limits"]["max_processes"], violation)
-    _run_code_and_tests(config["code"], config["tests"], report, violation)
-    _flush_std_streams()
-    report("done")
-    os._exit(0)  # neither the code's leftover threads nor its atexit handlers may hold the run past its result
+    module = types.ModuleType("__main__")
+    module.__file__ = SOLUTION_FILE
+    sys.modules["__main__"] = sys.modules["solution"] = module
+    load_error = _exec_file(config["code"], SOLUTION_FILE, module.__dict__, violation)
+    if load_error:
+        report("error", error=load_error)
+    if config.get("call_in") is not None:
+        _serve(module.__dict__, load_error, config["call_in"], config["call_out"], wire, violation)
+
+
+def _serve(namespace: dict, load_error: str | None, call_in: int, call_out: int, wire: Any, violation: Any) -> None:
+    """Answer the judge's requests: names, get, call, getattr, list, len. Values cross as `sandbox_wire` data."""
+    refs: list = []
+
+    def out(value: Any) -> Any:
+        return wire.encode(value, refs)
+
+    def arg(data: Any) -> Any:
+        return wire.decode(data, lambda i, _t: refs[i] if 0 <= i < len(refs) else None)
+
+    def answer(request: dict) -> dict:
+        op = request.get("op")
+        if op == "names":
+            names = [n for n, v in namespace.items()
+                     if not n.startswith("__") and not isinstance(v, type(sys))]
+            return {"value": out({"names": names, "load_error": load_error})}
+        if op == "get":
+            name = request.get("name")
+            if name not in namespace:
+                raise NameError(f"the code defines no {name!r}")
+            return {"value": out(namespace[name])}
+        target = refs[request["ref"]] if type(request.get("ref")) is int and request["ref"] < len(refs) else None
+        if target is None:
+            raise LookupError("unknown handle")
+        if op == "call":
+            args = [arg(a) for a in request.get("args", [])]
+            kwargs = {str(k): arg(v) for k, v in request.get("kwargs", [])}
+            return {"value": out(target(*args, **kwargs))}
+        if op == "getattr":
+            return {"value": out(getattr(target, str(request.get("attr"))))}
+        if op == "list":
+            return {"value": out(list(target))}
+        if op == "len":
+            return {"value": out(len(target))}
+        raise ValueError(f"unknown request {op!r}")
+
+    while True:
+        try:
+            request = wire.receive(call_in)
+        except (wire.WireError, OSError):
+            return  # the judge is done (or gone): nothing more to answer
+        start = time.monotonic()
+        try:
+            reply = answer(request)
+        except MemoryError:
+            violation("memory limit exceeded (MemoryError)")
+        except BaseException as exc:  # noqa: BLE001 - the code's exception is the answer, SystemExit included
+            reply = {"raised": {"type": type(exc).__name__, "message": _exception_text(exc),
+                                "builtin": type(exc).__module__ == "builtins"}}
+        reply["seconds"] = round(time.monotonic() - start, 6)
+        try:
+            wire.send(call_out, reply)
+        except (TypeError, ValueError, wire.WireError) as exc:
+            wire.send(call_out, {"raised": {"type": "TypeError", "builtin": True,
+                                            "message": f"the code's answer cannot be sent: {exc}"}})
+        except OSError:
+            return
+
+
+def _exception_text(exc: BaseException) -> str:
+    try:
+        return str(exc)[:_ERROR_CHARS]
+    except BaseException:  # noqa: BLE001 - a hostile __str__ must not break the channel
+        return "<unprintable>"
 
 
 def _flush_std_streams() -> None:
@@ -84,22 +179,31 @@ def _set_rlimits(limits: dict[str, Any], cpu_seconds: int) -> None:
               resource.RLIMIT_FSIZE: (limits["max_file_mb"] * mb,) * 2,
               resource.RLIMIT_NOFILE: (limits["max_open_files"],) * 2,
               resource.RLIMIT_CORE: (0, 0)}
-    if os.geteuid() != 0:  # RLIMIT_NPROC counts all of this uid's tasks and never binds root
-        wanted[resource.RLIMIT_NPROC] = (_tasks_of_uid(os.getuid()) + limits["max_processes"] + 32,) * 2
     for which, value in wanted.items():
         resource.setrlimit(which, value)
 
 
-def _tasks_of_uid(uid: int) -> int:
-    """How many tasks (threads included) `uid` runs now: RLIMIT_NPROC's baseline for a non-root caller."""
-    count = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}").st_uid == uid:
-                count += len(os.listdir(f"/proc/{pid}/task"))
-        except OSError:
-            continue
-    return count
+def _exec_file(source: str, filename: str, namespace: dict, violation: Any) -> str | None:
+    """Compile and run one source file in `namespace`; the formatted exception, or None."""
+    try:
+        exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - running the code is the point
+    except SystemExit as exc:
+        return None if exc.code in (None, 0) else f"SystemExit: {exc.code}"
+    except MemoryError:
+        violation("memory limit exceeded (MemoryError)")
+    except BaseException as exc:  # noqa: BLE001 - any failure of the code is a result, not a crash
+        return _format_exception(exc)
+    return None
+
+
+def _format_exception(exc: BaseException) -> str:
+    """The traceback without the runner's own frames, cut to the last _ERROR_CHARS characters."""
+    import traceback
+
+    tb = exc.__traceback__
+    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == os.path.dirname(__file__):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb)).strip()[-_ERROR_CHARS:]
 
 
 _NETWORK_EVENTS = frozenset({"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
@@ -194,100 +298,6 @@ def _other_process_proc_path(path: str, my_pid: int) -> bool:
     """True for /proc/<pid>/... of a process other than this one (its environ, cmdline, memory)."""
     parts = os.path.normpath(path).split(os.sep)
     return len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and int(parts[2]) != my_pid
-
-
-def _run_code_and_tests(code: str, tests: str | None, report: Any, violation: Any) -> None:
-    """Run the code as module __main__, then each collected test, reporting as it goes."""
-    import types
-
-    module = types.ModuleType("__main__")
-    module.__file__ = SOLUTION_FILE
-    sys.modules["__main__"] = sys.modules["solution"] = module
-    load_error = _exec_file(code, SOLUTION_FILE, module.__dict__, violation)
-    if load_error:
-        report("error", error=load_error)
-    if tests is None:
-        return
-    namespace = {**module.__dict__, "__name__": "test_solution", "__file__": TESTS_FILE}
-    tests_error = _exec_file(tests, TESTS_FILE, namespace, violation)
-    if tests_error:
-        report("error", error=(load_error + "\n" if load_error else "") + f"in the tests: {tests_error}")
-        return
-    cases = _collect_tests(namespace)
-    report("collected", names=[name for name, _ in cases])
-    for name, case in cases:
-        if load_error:
-            report("test", name=name, status="error", error="the code failed to load")
-            continue
-        start = time.monotonic()
-        status, error = case()
-        if error and "MemoryError" in error.splitlines()[-1]:
-            violation("memory limit exceeded (MemoryError)")
-        report("test", name=name, status=status, error=error, duration_s=round(time.monotonic() - start, 4))
-
-
-def _exec_file(source: str, filename: str, namespace: dict, violation: Any) -> str | None:
-    """Compile and run one source file in `namespace`; the formatted exception, or None."""
-    try:
-        exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - running the code is the point
-    except SystemExit as exc:
-        return None if exc.code in (None, 0) else f"SystemExit: {exc.code}"
-    except MemoryError:
-        violation("memory limit exceeded (MemoryError)")
-    except BaseException as exc:  # noqa: BLE001 - any failure of the code is a result, not a crash
-        return _format_exception(exc)
-    return None
-
-
-def _collect_tests(namespace: dict) -> list[tuple[str, Any]]:
-    """`test_*` functions defined in the tests file, then unittest.TestCase methods, in definition order."""
-    unittest = sys.modules.get("unittest")  # tests with TestCases imported it; others skip its ~50 ms import
-    cases = []
-    for name, obj in list(namespace.items()):
-        defined_here = getattr(getattr(obj, "__code__", None), "co_filename", None) == TESTS_FILE
-        if name.startswith("test") and callable(obj) and defined_here:
-            cases.append((name, lambda fn=obj: _call_test(fn)))
-        elif unittest and isinstance(obj, type) and issubclass(obj, unittest.TestCase):
-            if obj.__module__ != "test_solution":
-                continue  # imported from elsewhere (or the code's own): not one of these tests
-            for test in unittest.defaultTestLoader.loadTestsFromTestCase(obj):
-                cases.append((f"{name}.{test._testMethodName}", lambda t=test: _run_unittest(t)))
-    return cases
-
-
-def _call_test(fn: Any) -> tuple[str, str | None]:
-    try:
-        outcome = fn()
-        if type(outcome).__name__ == "coroutine":  # `async def test_*`: calling it alone would pass vacuously
-            import asyncio
-
-            asyncio.run(outcome)
-    except AssertionError as exc:
-        return "failed", _format_exception(exc)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt in a test fail that test
-        return "error", _format_exception(exc)
-    return "passed", None
-
-
-def _run_unittest(test: Any) -> tuple[str, str | None]:
-    import unittest
-
-    outcome = unittest.TestResult()
-    test.run(outcome)
-    for label, found in (("failed", outcome.failures), ("error", outcome.errors)):
-        if found:
-            return label, found[0][1][-_ERROR_CHARS:]
-    return ("skipped", None) if outcome.skipped else ("passed", None)
-
-
-def _format_exception(exc: BaseException) -> str:
-    """The traceback without the runner's own frames, cut to the last _ERROR_CHARS characters."""
-    import traceback
-
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb)).strip()[-_ERROR_CHARS:]
 
 
 if __name__ == "__main__":

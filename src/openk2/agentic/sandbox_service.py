@@ -4,20 +4,24 @@ The report deploys heavy RL environments "as dedicated scalable services" shared
 (RL infrastructure, agentic rollout); its coding sandbox runs on Kubernetes with 10k+ concurrent instances
 (section 3.2.1). This is the one-machine version: `POST /run` with
 {code, tests, timeout_s, memory_mb, ...} returns a SandboxResult as JSON. A shared bearer token is always
-required (one is generated and printed when none is given); the server binds to loopback unless told
+required on every route (one is generated and printed when none is given); the server binds to loopback unless told
 otherwise; request bodies are bounded and every limit is clamped to the server's maxima; a SandboxPool caps
 how many children run at once, so extra requests queue.
 
     POST /run   Authorization: Bearer T   {"code": "...", "tests": "...", "timeout_s": 5, "memory_mb": 256}
-    GET  /health                           {"status": "ok", "max_concurrency": 8}
+    GET  /health  Authorization: Bearer T  {"status": "ok", "max_concurrency": 8}
+
+Every route needs the token (401 without it; /docs and /openapi.json too); a body that is not a JSON object
+is 400, one with wrong fields 422, one too large 413; a missing sandbox layer is 503.
 """
 
+import json
 import secrets
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from openk2.agentic.sandbox import SandboxPool, SandboxResult
+from openk2.agentic.sandbox import SandboxPool, SandboxResult, SandboxUnavailableError, check_sandbox
 
 TOKEN_ENV = "OPENK2_SANDBOX_TOKEN"
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # code + tests + stdin; a coding task's solution is a few KB
@@ -33,6 +37,8 @@ class ServerLimits:
     max_processes: int = 0  # each child process may run any binary: only raise this inside a container
     max_output_bytes: int = 256 << 10
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_disk_mb: int = 256
+    max_cpus: float = 1.0
 
     def clamp(self, request: dict[str, Any]) -> dict[str, Any]:
         """`run_python` keyword arguments from a validated request, each limit at most the server's."""
@@ -42,18 +48,27 @@ class ServerLimits:
         kwargs["max_file_mb"] = min(kwargs["max_file_mb"], self.max_file_mb)
         kwargs["max_processes"] = min(kwargs["max_processes"], self.max_processes)
         kwargs["max_output_bytes"] = min(kwargs["max_output_bytes"], self.max_output_bytes)
+        kwargs["max_disk_mb"] = min(kwargs["max_disk_mb"], self.max_disk_mb)
+        kwargs["cpus"] = min(kwargs["cpus"], self.max_cpus)
         if kwargs["cpu_time_s"] is not None:
             kwargs["cpu_time_s"] = min(kwargs["cpu_time_s"], self.max_timeout_s)
         return kwargs
 
 
-def create_app(token: str, max_concurrency: int | None = None, limits: ServerLimits | None = None) -> Any:
-    """The FastAPI app; every route but /health wants `Authorization: Bearer <token>`."""
+def create_app(token: str, max_concurrency: int | None = None, limits: ServerLimits | None = None,
+               insecure: bool = False) -> Any:
+    """The FastAPI app; every route (/health, /docs and /openapi.json too) wants `Authorization: Bearer <token>`.
+
+    Refuses to build (SandboxUnavailableError) where a kernel layer of the sandbox is missing, unless
+    `insecure` (trusted code only: every run then goes without the kernel layers)."""
     from fastapi import FastAPI, HTTPException, Request
+    from fastapi.responses import JSONResponse
     from pydantic import BaseModel, Field, ValidationError
 
     if not token:
         raise ValueError("the sandbox service needs a non-empty token")
+    if not insecure:
+        check_sandbox()  # fail at start-up, naming the missing layer, not on the first request
     limits = limits or ServerLimits()
     pool = SandboxPool(max_concurrency)
 
@@ -66,7 +81,11 @@ def create_app(token: str, max_concurrency: int | None = None, limits: ServerLim
         max_file_mb: int = Field(16, ge=1)
         max_processes: int = Field(0, ge=0)
         max_output_bytes: int = Field(64 << 10, ge=0)
+        max_disk_mb: int = Field(64, ge=1)
+        cpus: float = Field(1.0, ge=0.01)
         stdin: str = ""
+        setup: str | None = None
+        entry_points: list[str] | None = None
 
     from contextlib import asynccontextmanager
 
@@ -77,10 +96,16 @@ def create_app(token: str, max_concurrency: int | None = None, limits: ServerLim
 
     app = FastAPI(title="openk2 sandbox", lifespan=lifespan)
 
-    def check_token(request: Request) -> None:
+    def token_ok(request: Request) -> bool:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
-            raise HTTPException(401, "missing or wrong token; send 'Authorization: Bearer <token>'")
+        return scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), token.encode())
+
+    @app.middleware("http")
+    async def require_token(request: Request, call_next: Any) -> Any:
+        """Every path, known or not, docs included: nothing is served without the token."""
+        if not token_ok(request):
+            return JSONResponse({"detail": "missing or wrong token; send 'Authorization: Bearer <token>'"}, 401)
+        return await call_next(request)
 
     async def read_body(request: Request) -> bytes:
         length = request.headers.get("content-length", "")
@@ -100,12 +125,23 @@ def create_app(token: str, max_concurrency: int | None = None, limits: ServerLim
 
     @app.post("/run")
     async def run(request: Request) -> dict:
-        check_token(request)
+        body = await read_body(request)
         try:
-            job = RunRequest.model_validate_json(await read_body(request))
-        except ValidationError as err:
-            raise HTTPException(422, err.errors(include_url=False, include_context=False)) from err
-        result = await pool.run(**limits.clamp(job.model_dump()))
+            data = json.loads(body)
+        except (ValueError, RecursionError) as err:  # not UTF-8, not JSON, or nested past the parser's depth
+            raise HTTPException(400, f"the body is not valid JSON: {type(err).__name__}") from None
+        if not isinstance(data, dict):
+            raise HTTPException(400, "the body must be a JSON object")
+        try:
+            job = RunRequest.model_validate(data)
+        except (ValidationError, RecursionError) as err:
+            detail = err.errors(include_url=False, include_context=False, include_input=False) \
+                if isinstance(err, ValidationError) else "nested too deeply"
+            raise HTTPException(422, detail) from None
+        try:
+            result = await pool.run(**limits.clamp(job.model_dump()), insecure=insecure)
+        except SandboxUnavailableError as err:
+            raise HTTPException(503, str(err)) from None
         return result.to_dict()
 
     return app

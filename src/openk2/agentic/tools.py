@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from openk2.agentic.schema import schema_problems
+from openk2.data.sources import read_utf8
 
 SOURCES = ("mcp", "synthetic")
 TOOL_NAME = re.compile(r"^[a-zA-Z][a-zA-Z0-9_]{2,63}$")  # OpenAI's limit is 64 chars of [a-zA-Z0-9_-]
@@ -157,7 +158,7 @@ def read_tools(path: str | Path) -> list[Tool]:
     if not path.is_file():
         raise ValueError(f"tool repository {path} not found")
     tools = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(read_utf8(path).splitlines(), 1):
         if line.strip():
             try:
                 tools.append(Tool.from_dict(json.loads(line)))

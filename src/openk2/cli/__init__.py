@@ -13,8 +13,10 @@ import sys
 # name -> one-line help. The module is openk2.cli.<name with '-' as '_'>, its entry point <module name>_main.
 COMMANDS: dict[str, str] = {
     "params": "parameter counts of a preset or HF config",
+    "plan": "per-rank memory of a parallel run config, from the model built on the meta device",
     "tokenizer": "train a byte-level BPE tokenizer with K2's special tokens",
     "pretrain": "pre-train with MuonClip on the shipped corpus (configs/tiny.toml)",
+    "export": "HF safetensors from a training checkpoint's DCP shards (streamed, any parallel layout)",
     "sft": "supervised fine-tuning on chat/tool-use conversations (configs/sft-tiny.toml)",
     "plot": "write a run's loss, max-logit and expert-load plots",
     "rephrase": "rewrite a JSONL/Parquet corpus in several styles with an LLM, fidelity-checked",

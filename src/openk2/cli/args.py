@@ -14,3 +14,14 @@ def add_set_argument(parser: argparse.ArgumentParser, example: str = "optim.lr=1
 def add_resume_argument(parser: argparse.ArgumentParser) -> None:
     """`--resume`: continue a run from its newest complete checkpoint."""
     parser.add_argument("--resume", action="store_true", help="continue from the run's newest complete checkpoint")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (`--max-steps 0` must not mean "no limit", nor -1 "do nothing")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {value}")
+    return value

@@ -1,4 +1,5 @@
-"""`openk2 eval`: score a model on benchmarks (`--list` names them), or `openk2 eval compare DIR DIR ...`."""
+"""`openk2 eval`: score a model on benchmarks (`--list` names them), `openk2 eval compare DIR DIR ...`, or
+`openk2 eval report DIR` (a citable report with settings and the K2 report's numbers)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,20 @@ examples:
   openk2 eval --list
   openk2 eval --model oracle --benchmarks bfcl-simple,humaneval --limit 20
   openk2 eval --model openai:http://127.0.0.1:8000/v1 --benchmarks tau2-retail --user-model hf:smollm2
+  openk2 eval --model openai:http://127.0.0.1:8000/v1 --benchmarks tau2-retail --runner tau2 \
+      --user-model openai:http://127.0.0.1:9000/v1#user --samples 4 --k 1
   openk2 eval compare runs/eval/before runs/eval/after --labels before,after
+  openk2 eval report runs/eval/after --out report.md
 """
+_TAU2_DEV = ("tau2-retail", "tau2-airline")
 
 
 def eval_main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     if argv[:1] == ["compare"]:
         return _compare_main(argv[1:])
+    if argv[:1] == ["report"]:
+        return _report_main(argv[1:])
     parser = argparse.ArgumentParser(prog="openk2 eval", description="Evaluate a model on benchmarks.",
                                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--list", action="store_true", help="print the benchmark names and exit")
@@ -34,8 +41,11 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=512, help="per model turn")
     parser.add_argument("--samples", type=int, default=1, help="samples per problem, for pass@k (humaneval)")
     parser.add_argument("--k", type=int, default=1, help="k of pass@k (<= --samples)")
-    parser.add_argument("--user-model", help="spec of the user simulator for multi-turn benchmarks (tau2); "
-                        "default: the model under test")
+    parser.add_argument("--user-model", help="spec of the user simulator for multi-turn benchmarks (tau2, "
+                        "required there, as tau2 uses a separate user model; the --model spec again is allowed)")
+    parser.add_argument("--runner", choices=["openk2", "tau2"], default="openk2",
+                        help="tau2 benchmarks: openk2's own loop (fast development mode) or tau2's own runner "
+                        "through litellm (leaderboard mode; endpoints only; --samples = trials, --k of pass^k)")
     parser.add_argument("--judge", help="spec of the judge where a benchmark needs one")
     parser.add_argument("--concurrency", type=int, default=1, help="samples scored at once (threads)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -53,6 +63,17 @@ def eval_main(argv: list[str] | None = None) -> int:
         parser.error("--model and --benchmarks are required (or --list)")
     if not 1 <= args.k <= args.samples:
         raise ValueError(f"--k must be between 1 and --samples ({args.samples}), got {args.k}")
+    benchmarks: list = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    if (args.model != "oracle" and not args.user_model
+            and any(b.startswith("tau2-") for b in benchmarks)):
+        parser.error("tau2 benchmarks need --user-model (tau2 simulates the user with a separate model; give the "
+                     "--model spec again to let the model under test play the user)")
+    if args.runner == "tau2":
+        if args.model == "oracle":
+            parser.error("--runner tau2 drives endpoints through litellm; the oracle self-test runs openk2's loop")
+        from openk2.eval.tau2_runner import Tau2RunnerBenchmark
+
+        benchmarks = [Tau2RunnerBenchmark(b.removeprefix("tau2-")) if b in _TAU2_DEV else b for b in benchmarks]
     from openk2.eval.harness import format_table, load_results, run_eval
     from openk2.llm.registry import load_chat_model
 
@@ -60,7 +81,6 @@ def eval_main(argv: list[str] | None = None) -> int:
                       samples_per_problem=args.samples, k=args.k,
                       user_model=load_chat_model(args.user_model) if args.user_model else None,
                       judge=load_chat_model(args.judge) if args.judge else None)
-    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     out = Path(args.out or Path("runs") / "eval" / _slug(args.model))
     run_eval(args.model, benchmarks, out, limit=args.limit, ctx=ctx, concurrency=args.concurrency,
              progress=not args.quiet)
@@ -81,6 +101,24 @@ def _compare_main(argv: list[str]) -> int:
     print(table, end="")
     if args.out:
         Path(args.out).write_text(table)
+    return 0
+
+
+def _report_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="openk2 eval report", description="A citable markdown report of one run: "
+                                     "scores with intervals, the settings that affect comparability, the K2 report's "
+                                     "published numbers beside ours.")
+    parser.add_argument("run", help="an evaluation directory (with results.json)")
+    parser.add_argument("--out", help="write the report to this file (default DIR/report.md)")
+    args = parser.parse_args(argv)
+    from openk2.eval.report import build_report
+    from openk2.fileio import atomic_write_text
+
+    text = build_report(args.run)
+    out = Path(args.out or Path(args.run) / "report.md")
+    atomic_write_text(out, text)
+    print(text, end="")
+    print(f"report: {out}")
     return 0
 
 

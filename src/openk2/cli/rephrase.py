@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from openk2.llm.transport import EndpointUnreachable, describe, is_transport_error
 from openk2.rephrase.prompts import DEFAULT_STYLES, load_styles, select_styles
 from openk2.rephrase.rephraser import CorpusJob, RephraseConfig, Rephraser, find_inputs, rephrase_corpus
 
@@ -58,8 +59,14 @@ def rephrase_main(argv: list[str] | None = None) -> int:
                     limit=args.limit)
     from openk2.llm.registry import load_chat_model
 
-    llm = load_chat_model(args.llm)
-    judge = load_chat_model(args.judge_llm) if args.judge and args.judge_llm else None
+    try:
+        llm = load_chat_model(args.llm)
+        judge = load_chat_model(args.judge_llm) if args.judge and args.judge_llm else None
+    except Exception as err:
+        if not is_transport_error(err):
+            raise
+        print(f"openk2 rephrase: error: the model could not be reached ({describe(err)})", file=sys.stderr)
+        return 1
     embedder = None
     if not args.no_similarity:
         from openk2.data.embed import default_embedder
@@ -72,7 +79,12 @@ def rephrase_main(argv: list[str] | None = None) -> int:
         print(f"interrupted; finished work is kept in {job.output}, run the same command to resume",
               file=sys.stderr)
         return 130
+    except EndpointUnreachable as err:  # nothing recorded for the units in hand: a rerun does them
+        print(f"openk2 rephrase: error: {err}", file=sys.stderr)
+        return 1
     finally:
-        llm.close()
+        for model in (llm, judge):
+            if model is not None:
+                model.close()
     print(json.dumps(summary, indent=2))
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from openk2.cli.args import add_resume_argument, add_set_argument
+from openk2.cli.args import add_resume_argument, add_set_argument, positive_int
 from openk2.rl.config import load_rl_config
 from openk2.rl.trainer import RLTrainer
 
@@ -18,7 +18,7 @@ def rl_main(argv: list[str] | None = None) -> int:
     add_set_argument(parser, "train.iterations=60")
     parser.add_argument("--out-dir", help="run directory (default: the config's out_dir)")
     add_resume_argument(parser)
-    parser.add_argument("--max-iterations", type=int, help="stop after this many more iterations")
+    parser.add_argument("--max-iterations", type=positive_int, help="stop after this many more iterations")
     args = parser.parse_args(argv)
     cfg = load_rl_config(args.config, args.set)
     summary = RLTrainer(cfg, args.out_dir, resume=args.resume).run(args.max_iterations)

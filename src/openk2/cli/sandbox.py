@@ -24,6 +24,8 @@ def sandbox_main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-processes", type=int, default=ServerLimits.max_processes,
                        help="child processes a run may start (default 0; each escapes the audit hook)")
     serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    serve.add_argument("--insecure", action="store_true",
+                       help="run without the kernel layers (no bubblewrap, seccomp or cgroups): trusted code only")
     serve.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -32,7 +34,7 @@ def sandbox_main(argv: list[str] | None = None) -> int:
     limits = ServerLimits(max_timeout_s=args.max_timeout_s, max_memory_mb=args.max_memory_mb,
                           max_file_mb=args.max_file_mb, max_processes=args.max_processes,
                           max_request_bytes=args.max_request_bytes)
-    app = create_app(token, args.max_concurrency, limits)
+    app = create_app(token, args.max_concurrency, limits, insecure=args.insecure)
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from openk2.cli.args import add_resume_argument, add_set_argument
+from openk2.cli.args import add_resume_argument, add_set_argument, positive_int
 from openk2.model import K2ForCausalLM
 from openk2.train.config import load_run_config
 from openk2.train.sft import EVAL_FILE, SFTTrainer, sft_run_config, write_json
@@ -25,7 +25,7 @@ def sft_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="TOML run config with an [sft] table (configs/sft-tiny.toml)")
     parser.add_argument("--out", help="run directory (default: out_dir from the config)")
     parser.add_argument("--init-from", help="checkpoint or pre-training run directory (overrides sft.init_from)")
-    parser.add_argument("--max-steps", type=int, help="stop after this step without changing the schedule")
+    parser.add_argument("--max-steps", type=positive_int, help="stop after this step without changing the schedule")
     add_resume_argument(parser)
     add_set_argument(parser, "sft.generate=500")
     args = parser.parse_args(argv)

@@ -16,10 +16,12 @@ import argparse
 import asyncio
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from openk2.agentic.synth_config import load_synth_config
 from openk2.agentic.tools import format_stats, read_tools, tool_stats
+from openk2.llm.transport import EndpointUnreachable
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,4 +87,8 @@ def _run(args: argparse.Namespace) -> int:
 def synth_main(argv: list[str] | None = None) -> int:
     """Entry point of `openk2 synth`; ValueErrors (bad config, bad files) reach the CLI as one line."""
     args = _parser().parse_args(argv)
-    return _tools(args) if args.command == "tools" else _run(args)
+    try:
+        return _tools(args) if args.command == "tools" else _run(args)
+    except EndpointUnreachable as err:  # the items that needed the endpoint stay pending for a rerun
+        print(f"openk2 synth: error: {err}", file=sys.stderr)
+        return 1

@@ -1,12 +1,13 @@
 """Chat / tool-use conversations for supervised fine-tuning: JSONL in, packed rows with assistant-only labels out.
 
 A conversation is one JSON object {"messages": [...OpenAI messages...], "tools": [...optional function
-specs...]}. It is rendered with K2's chat template (`openk2.chat.template.render_with_mask`) and tokenised
-segment by segment, so the loss mask is exact: an assistant turn's content, tool-call section and closing
-`<|im_end|>` are trained on, everything else (system, user, tool results, role headers) is context only.
-Segments are encoded with special tokens enabled, as prompts are at inference, so every template marker is
-its single K2 id; a segment boundary always follows a marker, so the pieces concatenate to the tokenisation
-of the whole rendered text.
+specs...]}. It is rendered with K2's chat template (`openk2.chat.template.render_pieces`, every turn closed
+with `<|im_end|>`, as it is when the conversation goes on) and tokenised piece by piece, so the loss mask is
+exact: an assistant turn's content, tool-call section and closing `<|im_end|>` are trained on, everything
+else (system, user, tool results, role headers) is context only. Exactly as prompts at inference
+(`openk2.chat.encoding.encode_pieces`), only the template's markers become special-token ids; message text,
+tool results, ids and arguments are encoded as plain text whatever they spell, so a conversation cannot
+smuggle a control token into training data.
 
 Packing: whole conversations fill rows of `seq_len` tokens (the rest is padding); each token carries the
 index of its conversation within the row (`segment_ids`, -1 for padding) and a position id that restarts
@@ -25,7 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from openk2.chat.template import Segment, render_with_mask
+from openk2.chat.encoding import encode_pieces
+from openk2.chat.pieces import Piece, mask_segments
+from openk2.chat.template import GENERATION_PROMPT, Segment, render_pieces
 from openk2.data.packing import IGNORE_INDEX
 from openk2.data.tokenizer import K2Tokenizer
 
@@ -35,8 +38,8 @@ STATE_VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def conversation_segments(conversation: object) -> list[Segment]:
-    """Validate one conversation and render it as (text, is_assistant) segments (no generation prompt)."""
+def conversation_pieces(conversation: object) -> list[Piece]:
+    """Validate one conversation and render it as pieces: every turn closed, no generation prompt."""
     if not isinstance(conversation, dict):
         raise ValueError(f"a conversation must be a JSON object, got {type(conversation).__name__}")
     unknown = sorted(set(conversation) - {"messages", "tools"})
@@ -47,10 +50,20 @@ def conversation_segments(conversation: object) -> list[Segment]:
         raise ValueError("'messages' must be a non-empty list")
     if tools is not None and not isinstance(tools, list):
         raise ValueError(f"'tools' must be a list, got {type(tools).__name__}")
-    segments = render_with_mask(messages, tools or None, add_generation_prompt=False)
-    if not any(is_assistant for _, is_assistant in segments):
+    # The template leaves the last turn open without a generation prompt (a prefill); training text is the
+    # conversation as the template renders it when it continues, i.e. with the generation prompt cut off.
+    pieces = render_pieces(messages, tools or None, add_generation_prompt=True)
+    tail = "".join(p.text for p in pieces[-3:])
+    assert tail == GENERATION_PROMPT, tail
+    pieces = pieces[:-3]
+    if not any(p.assistant and p.text for p in pieces):
         raise ValueError("no assistant turn to train on")
-    return segments
+    return pieces
+
+
+def conversation_segments(conversation: object) -> list[Segment]:
+    """`conversation_pieces` as (text, is_assistant) segments, neighbours with the same tag merged."""
+    return mask_segments(conversation_pieces(conversation))
 
 
 def read_conversations(path: str | Path) -> list[dict]:
@@ -65,7 +78,7 @@ def read_conversations(path: str | Path) -> list[dict]:
                 continue
             try:
                 conversation = json.loads(line)
-                conversation_segments(conversation)
+                conversation_pieces(conversation)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
             except ValueError as err:
@@ -101,13 +114,11 @@ def split_conversations(conversations: Sequence[dict], val_fraction: float, seed
 
 
 # ---------------------------------------------------------------------------------------------- tokenising
-def tokenize_segments(segments: Sequence[Segment], tokenizer: K2Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids [N] and loss mask [N] (True on assistant tokens) of rendered segments."""
-    encoded = tokenizer.encode_batch([text for text, _ in segments], allow_special=True)
-    ids = np.concatenate([np.asarray(e, dtype=np.int64) for e in encoded])
-    mask = np.concatenate([np.full(len(e), is_assistant, dtype=bool)
-                           for e, (_, is_assistant) in zip(encoded, segments, strict=True)])
-    return ids, mask
+def tokenize_pieces(pieces: Sequence[Piece], tokenizer: K2Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [N] and loss mask [N] (True on assistant tokens) of rendered pieces (markers as control tokens,
+    all other text as plain text)."""
+    ids, mask = encode_pieces(tokenizer, pieces)
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
 
 
 @dataclass
@@ -148,7 +159,7 @@ def tokenize_conversations(
     truncated = skipped = 0
     for i, conversation in enumerate(conversations):
         try:
-            ids, mask = tokenize_segments(conversation_segments(conversation), tokenizer)
+            ids, mask = tokenize_pieces(conversation_pieces(conversation), tokenizer)
         except ValueError as err:
             raise ValueError(f"conversation {i}: {err}") from None
         if len(ids) > seq_len:

@@ -73,7 +73,7 @@ def read_documents(src: SourceConfig, seed: int = 0) -> list[str]:
     elif src.kind == "math":
         docs = math_documents(seed, src.num_docs)
     elif src.kind == "text":
-        docs = (strip_gutenberg(_read_text(p)) for p in _files(src))
+        docs = (strip_gutenberg(read_utf8(p).replace("\r\n", "\n")) for p in _files(src))
     elif src.kind == "jsonl":
         docs = _jsonl_documents(src)
     else:
@@ -142,8 +142,23 @@ def strip_gutenberg(text: str) -> str:
 
 
 def _read_text(path: Path) -> str:
-    # Normalise Windows line endings so the same text always tokenises the same way.
+    # Bundled files only (lenient); normalise Windows line endings so the same text always tokenises the same way.
     return path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
+
+
+def read_utf8(path: str | Path) -> str:
+    """The text of a user's file; invalid UTF-8 is a ValueError naming the file and the byte offset."""
+    path = Path(path)
+    return decode_utf8(path.read_bytes(), str(path))
+
+
+def decode_utf8(data: bytes, where: str) -> str:
+    """`data` as UTF-8; invalid bytes are a ValueError naming `where` (a file, or file:line) and the offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not valid UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}: "
+                         f"{err.reason}); convert the file to UTF-8, e.g. with iconv") from None
 
 
 def _files(src: SourceConfig) -> list[Path]:
@@ -160,8 +175,9 @@ def _files(src: SourceConfig) -> list[Path]:
 
 def _jsonl_documents(src: SourceConfig) -> Iterator[str]:
     for path in _files(src):
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
+        with path.open("rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                line = decode_utf8(raw, f"{path}:{lineno}")
                 if not line.strip():
                     continue
                 try:
@@ -178,10 +194,16 @@ def _parquet_documents(src: SourceConfig) -> Iterator[str]:
         import pyarrow.parquet as pq
     except ImportError as err:
         raise ImportError("Parquet sources need the optional 'pyarrow' package: pip install pyarrow") from err
+    import pyarrow as pa
+
     for path in _files(src):
-        schema = pq.read_schema(path)
-        if src.field not in schema.names:
-            raise ValueError(f"{path}: no column {src.field!r}; columns are {schema.names}")
-        for value in pq.read_table(path, columns=[src.field]).column(src.field).to_pylist():
+        try:
+            schema = pq.read_schema(path)
+            if src.field not in schema.names:
+                raise ValueError(f"{path}: no column {src.field!r}; columns are {schema.names}")
+            values = pq.read_table(path, columns=[src.field]).column(src.field).to_pylist()
+        except (pa.ArrowException, OSError) as err:
+            raise ValueError(f"{path}: not a readable Parquet file ({err})") from None
+        for value in values:
             if value is not None:
                 yield str(value)

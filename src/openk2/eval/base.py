@@ -103,6 +103,11 @@ class Benchmark(ABC):
         """Raise ValueError if this benchmark cannot run under `ctx` (a judge it needs is missing, k > n, ...);
         the harness calls it for every benchmark before loading any model."""
 
+    def settings(self) -> dict[str, Any]:
+        """What about this benchmark's setup affects comparability with published numbers (scorer, runner, step
+        limits, prompts); recorded with the results, and a rerun under other settings is refused."""
+        return {}
+
     def oracle(self, sample: Sample) -> ChatModel:
         """A ChatModel that answers `sample` with its ground truth."""
         raise NotImplementedError(f"{self.name} has no ground truth to replay")

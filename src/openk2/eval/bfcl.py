@@ -1,19 +1,22 @@
-"""BFCL single-turn function calling (simple, multiple, parallel, parallel_multiple, irrelevance), AST-checked.
+"""BFCL single-turn function calling, non-live and live (simple, multiple, parallel, parallel_multiple,
+irrelevance, relevance), scored by BFCL's own checker with openk2's checker alongside as a diagnostic.
 
-Each sample is one user request plus a few function docs, offered to the model as OpenAI tools. The model's
-`tool_calls` are compared with BFCL's possible answers, parameter by parameter, by the checker below (our own
-code, following the rules of BFCL's AST checker; the differences are listed in docs/eval.md):
+Each sample is one user request plus a few function docs, offered to the model as OpenAI tools, with no system
+prompt (BFCL's function-calling runner adds none). The score is BFCL's verdict (`bfcl_official`: bfcl-eval's
+`ast_checker` on the calls as BFCL's OpenAI handler decodes them; irrelevance / relevance by whether the reply
+decodes as a call). `detail["diagnostic"]` holds the verdict of the checker below, our own code following the
+same rules, which names the failing parameter; docs/eval.md lists where the two differ and measures it.
 
 - `simple` / `multiple`: exactly one call, to the gold function (`multiple` offers 2-4 functions).
 - `parallel` / `parallel_multiple`: as many calls as gold calls, paired one-to-one in any order.
-- `irrelevance`: no function fits, so the model must make no call at all.
+- `irrelevance`: no function fits, so the model must make no call; `relevance` (live only): it must make one.
 
-A call passes when its function is the gold one, every required parameter is there, no parameter is unknown
-(to the doc or to the answer), every value is among the possible answers, and every parameter the answer does
-not mark optional (with `""`) is given. Values compare type-aware: an int is accepted for a float (never a bool
-for a number), strings ignore case, spaces and the punctuation `,./-_*^`, lists compare element-wise and dicts
-key by key. An answer whose type differs from the declared one (a variable name such as "data['sales']", or
-None) must be matched exactly, and an empty list counts as leaving an optional array out.
+Our checker: a call passes when its function is the gold one, every required parameter is there, no parameter
+is unknown (to the doc or to the answer), every value is among the possible answers, and every parameter the
+answer does not mark optional (with `""`) is given. Values compare type-aware: an int is accepted for a float
+(never a bool for a number), strings ignore case, spaces and the punctuation `,./-_*^`, lists compare
+element-wise and dicts key by key. An answer whose type differs from the declared one (a variable name such as
+"data['sales']", or None) must be matched exactly, and an empty list counts as leaving an optional array out.
 """
 
 from __future__ import annotations
@@ -24,28 +27,37 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from openk2.eval import bfcl_official
 from openk2.eval.base import Benchmark, EvalContext, Sample, ScriptedChatModel, Verdict
 from openk2.eval.bfcl_schema import bfcl_data_dir, read_jsonl, tool_name, tools_for
 from openk2.llm.base import ChatModel, ChatResponse
 
 # Our category name -> BFCL v4 file stem (only the Python flavour of `simple` is used).
 CATEGORIES = {"simple": "simple_python", "multiple": "multiple", "parallel": "parallel",
-              "parallel_multiple": "parallel_multiple", "irrelevance": "irrelevance"}
+              "parallel_multiple": "parallel_multiple", "irrelevance": "irrelevance",
+              "live_simple": "live_simple", "live_multiple": "live_multiple", "live_parallel": "live_parallel",
+              "live_parallel_multiple": "live_parallel_multiple", "live_irrelevance": "live_irrelevance",
+              "live_relevance": "live_relevance"}
+_NO_ANSWER = ("irrelevance", "live_irrelevance", "live_relevance")  # scored by whether a call is made
 _DESCRIPTIONS = {
-    "simple": "BFCL simple: one call to the one function offered (AST match)",
-    "multiple": "BFCL multiple: one call, choosing among 2-4 functions (AST match)",
-    "parallel": "BFCL parallel: several calls to one function, any order (AST match)",
-    "parallel_multiple": "BFCL parallel_multiple: several calls to several functions, any order (AST match)",
-    "irrelevance": "BFCL irrelevance: no offered function fits, so no call may be made",
+    "simple": "one call to the one function offered",
+    "multiple": "one call, choosing among 2-4 functions",
+    "parallel": "several calls to one function, any order",
+    "parallel_multiple": "several calls to several functions, any order",
+    "irrelevance": "no offered function fits, so no call may be made",
+    "relevance": "some offered function fits, so a call must be made",
 }
-# BFCL's function-calling mode sends no system prompt; ours tells small models what output is expected.
-SYSTEM_PROMPT = ("You can call the functions you are given. If they can answer the request, reply only with "
-                 "function calls, passing the arguments as a JSON object; make one call per needed "
-                 "invocation. If none of the functions fits the request, do not call any: answer in plain text.")
 # BFCL's string normalisation: these characters are ignored, as are case and quote style.
 _IGNORED = re.compile(r"[ ,./\-_*^]")
 _PY_KINDS = {"string": (str,), "integer": (int,), "float": (int, float), "boolean": (bool,),
              "array": (list,), "tuple": (list,), "dict": (dict,)}
+
+
+def _description(category: str) -> str:
+    live = category.startswith("live_")
+    kind = category.removeprefix("live_")
+    scoring = "" if kind in ("irrelevance", "relevance") else " (BFCL AST checker)"
+    return f"BFCL {'live' if live else 'non-live'} {kind}: {_DESCRIPTIONS[kind]}{scoring}"
 
 
 @dataclass(frozen=True)
@@ -63,15 +75,16 @@ class BFCLBenchmark(Benchmark):
         if category not in CATEGORIES:
             raise ValueError(f"unknown BFCL category {category!r}; choose from {', '.join(CATEGORIES)}")
         self.category = category
+        self.bfcl_category = CATEGORIES[category]
         self.name = "bfcl-" + category.replace("_", "-")
-        self.description = _DESCRIPTIONS[category]
+        self.description = _description(category)
 
     @cached_property
     def _entries(self) -> list[Sample]:
         data = bfcl_data_dir()
-        stem = f"BFCL_v4_{CATEGORIES[self.category]}.json"
+        stem = f"BFCL_v4_{self.bfcl_category}.json"
         entries = read_jsonl(data / stem)
-        if self.category == "irrelevance":
+        if self.category in _NO_ANSWER:
             answers = [{"id": e["id"], "ground_truth": []} for e in entries]
         else:
             answers = read_jsonl(data / "possible_answer" / stem)
@@ -88,26 +101,49 @@ class BFCLBenchmark(Benchmark):
 
     def evaluate(self, model: ChatModel, sample: Sample, ctx: EvalContext) -> Verdict:
         tools, names = tools_for(sample.data["functions"])
-        responses = model.chat(_prompt(sample.data["messages"]), tools=tools, **ctx.sampling(sample.id))
+        responses = model.chat(list(sample.data["messages"]), tools=tools, **ctx.sampling(sample.id))
         response = responses[0] if responses else ChatResponse(content="")
+        tool_calls = list(response.tool_calls or [])
         answer = {"content": response.content,
-                  "tool_calls": [c.get("function") if isinstance(c, dict) else c for c in response.tool_calls]}
-        if self.category == "irrelevance":
-            mismatch = None if not response.tool_calls else Mismatch(
-                "irrelevance_call", f"no function fits this request, but the model made {len(response.tool_calls)} "
-                "call(s)")
+                  "tool_calls": [c.get("function") if isinstance(c, dict) else c for c in tool_calls]}
+        if self.category in _NO_ANSWER:
+            official = bfcl_official.relevance_check(tool_calls, self.bfcl_category)
         else:
-            calls = parse_tool_calls(response.tool_calls, names)
-            mismatch = calls if isinstance(calls, Mismatch) else check_calls(
-                sample.data["functions"], calls, sample.data["ground_truth"])
-        if mismatch is None:
-            return Verdict(1.0, answer, {})
-        return Verdict(0.0, answer, {"error": mismatch.message, "error_type": mismatch.kind,
-                                     "expected": sample.data["ground_truth"]})
+            official = bfcl_official.ast_check(sample.data["functions"], tool_calls, sample.data["ground_truth"],
+                                               self.bfcl_category)
+        mismatch = self.diagnose(sample, tool_calls, names)
+        diagnostic = {"valid": mismatch is None, "error_type": mismatch.kind if mismatch else None}
+        if mismatch is not None:
+            diagnostic["error"] = mismatch.message
+        detail: dict[str, Any] = {"diagnostic": diagnostic}
+        if not official["valid"]:
+            detail.update(error=_error_text(official["error"]), error_type=official["error_type"],
+                          expected=sample.data["ground_truth"])
+        return Verdict(1.0 if official["valid"] else 0.0, answer, detail)
+
+    def settings(self) -> dict[str, Any]:
+        scorer = "relevance" if self.category in _NO_ANSWER else "ast_checker"
+        return {"scorer": f"bfcl-eval {bfcl_official.bfcl_version()} {scorer}", "system_prompt": "none",
+                "mode": "function calling (OpenAI tools)", "diagnostic": "openk2 checker in detail.diagnostic"}
+
+    def diagnose(self, sample: Sample, tool_calls: list[dict], names: dict[str, str]) -> Mismatch | None:
+        """openk2's own verdict on a reply (None = pass): the diagnostic beside BFCL's score."""
+        if self.category in ("irrelevance", "live_irrelevance"):
+            return None if not tool_calls else Mismatch(
+                "irrelevance_call", f"no function fits this request, but the model made {len(tool_calls)} call(s)")
+        if self.category == "live_relevance":
+            return None if tool_calls else Mismatch("no_call", "a function fits this request, but no call was made")
+        calls = parse_tool_calls(tool_calls, names)
+        return calls if isinstance(calls, Mismatch) else check_calls(
+            sample.data["functions"], calls, sample.data["ground_truth"])
 
     def oracle(self, sample: Sample) -> ChatModel:
-        if self.category == "irrelevance":
+        if self.category in ("irrelevance", "live_irrelevance"):
             return ScriptedChatModel(["None of the available functions can answer this request."])
+        if self.category == "live_relevance":  # the gold is "some call": the first function, no arguments
+            first = sample.data["functions"][0]["name"]
+            call = {"id": "call_0", "type": "function", "function": {"name": tool_name(first), "arguments": "{}"}}
+            return ScriptedChatModel([ChatResponse(content=None, tool_calls=[call], finish_reason="tool_calls")])
         docs = {doc["name"]: doc for doc in sample.data["functions"]}
         calls = []
         for i, gold in enumerate(sample.data["ground_truth"]):
@@ -118,9 +154,17 @@ class BFCLBenchmark(Benchmark):
         return ScriptedChatModel([ChatResponse(content=None, tool_calls=calls, finish_reason="tool_calls")])
 
 
+def _error_text(error: Any) -> str:
+    """BFCL's error (a list of strings or nested dicts) as one line for the record."""
+    if isinstance(error, list):
+        return "; ".join(e if isinstance(e, str) else json.dumps(e, default=str) for e in error)
+    return str(error)
+
+
 def gold_arguments(doc: dict[str, Any], params: dict[str, list]) -> dict[str, Any]:
     """The oracle's arguments for one gold call: each parameter's first possible value. A parameter the answer
-    marks optional (`""`) is left out unless the doc requires it, and so is one the doc does not declare."""
+    marks optional (`""`) is left out unless the doc requires it, and so is one the doc does not declare. A
+    required string whose only possible answer is `""` gets the empty string (BFCL accepts it)."""
     required = set(doc.get("parameters", {}).get("required", []))
     declared = doc.get("parameters", {}).get("properties", {})
     args = {}
@@ -128,28 +172,24 @@ def gold_arguments(doc: dict[str, Any], params: dict[str, list]) -> dict[str, An
         values = [v for v in alternatives if v != ""]
         if param in declared and values and (param in required or "" not in alternatives):
             args[param] = _literal(values[0])
+        elif param in declared and param in required and alternatives == [""]:
+            args[param] = ""
     return args
 
 
 def _literal(pattern: Any) -> Any:
-    """A concrete value for a possible-answer pattern (a dict pattern maps each key to its alternatives)."""
+    """A concrete value for a possible-answer pattern (a dict pattern maps each key to its alternatives, which
+    are plain values, as in BFCL's dict checker)."""
     if isinstance(pattern, dict):
         out = {}
         for key, alternatives in pattern.items():
             values = [v for v in alternatives if v != ""]
             if values and "" not in alternatives:
-                out[key] = _literal(values[0])
+                out[key] = values[0]
         return out
     if isinstance(pattern, list):
         return [_literal(v) for v in pattern]
     return pattern
-
-
-def _prompt(messages: list[dict]) -> list[dict]:
-    """The sample's messages behind our system prompt (unless the sample brings its own)."""
-    if messages and messages[0].get("role") == "system":
-        return list(messages)
-    return [{"role": "system", "content": SYSTEM_PROMPT}, *messages]
 
 
 def parse_tool_calls(tool_calls: list[dict], names: dict[str, str]) -> list[tuple[str, dict]] | Mismatch:
@@ -258,17 +298,22 @@ def standardize(text: str) -> str:
     return _IGNORED.sub("", text).lower().replace("'", '"')
 
 
-def values_match(value: Any, pattern: Any) -> bool:
+def values_match(value: Any, pattern: Any, literal: bool = False) -> bool:
     """Whether `value` matches one possible answer. A dict pattern maps each key to its list of alternatives
-    (`""` among them marks the key optional); lists match element-wise; strings after `standardize`."""
+    (`""` among them marks the key optional), which are plain values (`literal`: a dict among them is compared
+    key by key, not read as a pattern); lists match element-wise; strings after `standardize`."""
+    if isinstance(pattern, dict) and literal:
+        return (isinstance(value, dict) and set(value) == set(pattern)
+                and all(values_match(value[k], p, literal=True) for k, p in pattern.items()))
     if isinstance(pattern, dict):
         if not isinstance(value, dict) or not set(value) <= set(pattern):
             return False
-        return (all(any(values_match(v, alt) for alt in pattern[k] if alt != "") for k, v in value.items())
+        return (all(any(values_match(v, alt, literal=True) for alt in pattern[k] if alt != "")
+                    for k, v in value.items())
                 and all(k in value or "" in alts for k, alts in pattern.items()))
     if isinstance(pattern, list):
         return (isinstance(value, list) and len(value) == len(pattern)
-                and all(values_match(v, p) for v, p in zip(value, pattern, strict=True)))
+                and all(values_match(v, p, literal) for v, p in zip(value, pattern, strict=True)))
     if isinstance(pattern, str):
         return isinstance(value, str) and standardize(value) == standardize(pattern)
     if isinstance(pattern, bool) or isinstance(value, bool):

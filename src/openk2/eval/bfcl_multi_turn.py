@@ -1,22 +1,27 @@
-"""BFCL multi-turn (the `multi_turn_base` category), scored by executing the calls.
+"""BFCL multi-turn (`multi_turn_base`, `_miss_func`, `_miss_param`, `_long_context`), scored by BFCL's own
+`multi_turn_checker` with openk2's replay checker alongside as a diagnostic.
 
 Each entry is a conversation of 1-7 user turns against stateful backends (a file system, a trading bot, a
 travel agency, a car, ...). The backends are the Python classes `bfcl-eval` ships as the benchmark's
-environment; everything around them (the agent loop, the gold replay and the checks) is written here.
+environment; the agent loop is written here and follows BFCL's function-calling runner: no system prompt, the
+docs of every involved class as tools (less the entry's `missed_function`s in `miss_func`, which are added at
+their turn together with BFCL's user message "I have updated some more functions ..."), `long_context`
+backends loaded with `long_context=True`.
 
 For each user turn the model is called in a loop: its tool calls run on the model's own backend instances and
 their results come back as tool messages, until it answers without a call (at most `max_steps_per_turn` steps
-with calls; one more is a failure, as in BFCL). The turn's gold calls (strings such as
-`cd(folder='document')`) are parsed with `ast` and run on a second, separate set of instances. A turn with
-gold calls passes when
+with calls; one more ends the entry, as BFCL's force-quit does). The score is BFCL's verdict on the decoded
+calls of every step (`bfcl_official.multi_turn_check`, which re-executes them itself). The diagnostic
+(`detail["diagnostic"]`, our code) runs the turn's gold calls (strings such as `cd(folder='document')`, parsed
+with `ast`) on a second set of instances, and a turn with gold calls passes when
 
 1. the model made at least one call in it,
 2. every backend's public state (its non-underscore attributes) equals the gold instances' state, and
 3. the gold calls' results are contained (as a multiset, any order) in the results of all the model's calls
    so far, this turn's and earlier ones'.
 
-A turn without gold calls (the request cannot be served) is not checked, as in BFCL. An entry scores 1 when
-all its turns pass; the run stops at the first failing turn.
+A turn without gold calls (the request cannot be served) is not checked, as in BFCL; the diagnostic names the
+first failing turn.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from openk2.eval import bfcl_official
 from openk2.eval.base import Benchmark, EvalContext, Sample, ScriptedChatModel, Verdict
 from openk2.eval.bfcl_schema import bfcl_data_dir, read_jsonl, tools_for
 from openk2.llm.base import ChatModel, ChatResponse
@@ -48,9 +54,9 @@ BACKENDS = {
     "VehicleControlAPI": ("vehicle_control", "vehicle_control.json"),
 }
 _BACKEND_PACKAGE = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
-SYSTEM_PROMPT = ("You operate the tools you are given on the user's behalf. For each request, call the tools "
-                 "needed (arguments as a JSON object); you will see each call's result. When the request is "
-                 "done, or cannot be done with these tools, reply in plain text without calling a tool.")
+CATEGORIES = ("base", "miss_func", "miss_param", "long_context")
+# BFCL's user turn when held-out functions are added (DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC).
+ADDED_FUNCTIONS_PROMPT = "I have updated some more functions you can choose from. What about now?"
 _VALID_NAME = re.compile(r"[\w.\-]+")
 _SHOWN = 300  # characters of a state value or tool result kept in a verdict's detail
 
@@ -58,12 +64,12 @@ _SHOWN = 300  # characters of a state value or tool result kept in a verdict's d
 class Environment:
     """One instance of each involved backend class, loaded with the entry's initial configuration.
 
-    Only documented functions can be called (`functions` maps each name to its bound method); results are
-    turned into text the way BFCL does (a dict as JSON, anything else with `str`, an exception as
-    `Error during execution: ...`).
+    Any public method can be called, documented or not, as in BFCL (`functions` maps each name to its bound
+    method); results are turned into text the way BFCL does (a dict as JSON, anything else with `str`, an
+    exception as `Error during execution: ...`).
     """
 
-    def __init__(self, class_names: list[str], initial_config: dict[str, Any], documented: set[str]) -> None:
+    def __init__(self, class_names: list[str], initial_config: dict[str, Any], long_context: bool = False) -> None:
         self.instances: dict[str, Any] = {}
         self.functions: dict[str, Callable[..., Any]] = {}
         for class_name in class_names:
@@ -73,10 +79,11 @@ class Environment:
             instance = getattr(module, class_name)()
             if hasattr(instance, "_load_scenario"):  # stateless classes (MathAPI) have no scenario
                 # A deep copy, so no run can change the sample's configuration (backends mutate what they load).
-                instance._load_scenario(copy.deepcopy(initial_config.get(class_name, {})), long_context=False)
+                instance._load_scenario(copy.deepcopy(initial_config.get(class_name, {})),
+                                        long_context=long_context)
             self.instances[class_name] = instance
             for name, method in inspect.getmembers(instance, inspect.ismethod):
-                if name in documented:
+                if not name.startswith("_"):
                     self.functions[name] = method
 
     def execute(self, name: str, arguments: dict[str, Any]) -> str:
@@ -140,48 +147,67 @@ def _class_docs(class_name: str) -> tuple[dict, ...]:
 
 
 class BFCLMultiTurnBenchmark(Benchmark):
-    """BFCL v4 `multi_turn_base`: 200 multi-turn conversations scored by state and result replay."""
+    """One BFCL v4 multi-turn category (200 conversations each), scored by BFCL's checker."""
 
-    name = "bfcl-multi-turn"
-    description = "BFCL multi-turn base: agent loop on stateful backends, scored by state + result replay"
-
-    def __init__(self, max_steps_per_turn: int = 20) -> None:
+    def __init__(self, category: str = "base", max_steps_per_turn: int = 20) -> None:
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown BFCL multi-turn category {category!r}; choose from {', '.join(CATEGORIES)}")
         if max_steps_per_turn < 1:
             raise ValueError(f"max_steps_per_turn must be >= 1, got {max_steps_per_turn}")
-        # BFCL's MAXIMUM_STEP_LIMIT is 20 as well.
-        self.max_steps_per_turn = max_steps_per_turn
+        self.category = category
+        self.bfcl_category = f"multi_turn_{category}"
+        self.name = "bfcl-multi-turn" + ("" if category == "base" else "-" + category.replace("_", "-"))
+        self.description = (f"BFCL multi-turn {category.replace('_', ' ')}: agent loop on stateful backends "
+                            "(BFCL multi_turn_checker)")
+        self.max_steps_per_turn = max_steps_per_turn  # BFCL's MAXIMUM_STEP_LIMIT is 20 as well
 
     @functools.cached_property
     def _entries(self) -> list[Sample]:
         data = bfcl_data_dir()
-        stem = "BFCL_v4_multi_turn_base.json"
+        stem = f"BFCL_v4_{self.bfcl_category}.json"
         samples = []
         for entry, answer in zip(read_jsonl(data / stem), read_jsonl(data / "possible_answer" / stem), strict=True):
             if entry["id"] != answer["id"] or len(entry["question"]) != len(answer["ground_truth"]):
                 raise ValueError(f"{stem}: question {entry['id']} does not line up with answer {answer['id']}")
             samples.append(Sample(entry["id"], {
                 "turns": entry["question"], "ground_truth": answer["ground_truth"],
-                "initial_config": entry["initial_config"], "involved_classes": entry["involved_classes"]}))
+                "initial_config": entry["initial_config"], "involved_classes": entry["involved_classes"],
+                "missed_function": entry.get("missed_function") or {}}))
         return samples
 
     def samples(self, limit: int | None = None) -> list[Sample]:
         return self._entries[:limit] if limit is not None else list(self._entries)
 
-    def _environment(self, sample: Sample, docs: list[dict]) -> Environment:
+    def settings(self) -> dict[str, Any]:
+        return {"scorer": f"bfcl-eval {bfcl_official.bfcl_version()} multi_turn_checker", "system_prompt": "none",
+                "mode": "function calling (OpenAI tools)", "max_steps_per_turn": self.max_steps_per_turn,
+                "diagnostic": "openk2 replay checker in detail.diagnostic"}
+
+    def _environment(self, sample: Sample) -> Environment:
         return Environment(sample.data["involved_classes"], sample.data["initial_config"],
-                           {doc["name"] for doc in docs})
+                           long_context=self.category == "long_context")
 
     def evaluate(self, model: ChatModel, sample: Sample, ctx: EvalContext) -> Verdict:
-        docs = function_docs(sample.data["involved_classes"])
-        tools, names = tools_for(docs)
-        env, gold_env = self._environment(sample, docs), self._environment(sample, docs)
-        messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
+        missed = {int(t): set(names) for t, names in sample.data["missed_function"].items()}
+        held_out = set().union(*missed.values()) if missed else set()
+        all_docs = function_docs(sample.data["involved_classes"])
+        docs = [d for d in all_docs if d["name"] not in held_out]
+        env, gold_env = self._environment(sample), self._environment(sample)
+        messages: list[dict] = []
         trajectory: list[list[dict]] = []
+        turn_calls: list[list[list[dict]]] = []  # per turn, per step: the tool calls (for BFCL's checker)
         all_results: list[str] = []  # every result of the model's calls so far (BFCL's response check is cumulative)
+        diagnostic: dict[str, Any] | None = None
+        forced = False
         for t, (turn, gold_calls) in enumerate(zip(sample.data["turns"], sample.data["ground_truth"], strict=True)):
+            if t in missed:  # BFCL adds the held-out docs (at the end) and says so in a user turn
+                docs = docs + [d for d in all_docs if d["name"] in missed[t]]
+                turn = [{"role": "user", "content": ADDED_FUNCTIONS_PROMPT}]
+            tools, names = tools_for(docs)
             messages.extend(turn)
-            steps, failure = self._run_turn(model, messages, tools, names, env, ctx, f"{sample.id}:{t}")
+            steps, calls, failure = self._run_turn(model, messages, tools, names, env, ctx, f"{sample.id}:{t}")
             trajectory.append(steps)
+            turn_calls.append(calls)
             all_results.extend(r for step in steps for r in step.get("results", []))
             gold_results = []
             for text in gold_calls:
@@ -189,27 +215,38 @@ class BFCLMultiTurnBenchmark(Benchmark):
                 gold_results.append(gold_env.execute(name, gold_env.keyword_arguments(name, args, kwargs)))
             if failure is None and gold_calls:
                 failure = _check_turn(t, steps, env, gold_env, all_results, gold_results)
-            if failure is not None:
-                failure["turn"] = t
-                return Verdict(0.0, trajectory, failure)
-        return Verdict(1.0, trajectory, {})
+            if failure is not None and diagnostic is None:
+                diagnostic = {"valid": False, "turn": t, **failure}
+            if failure is not None and failure["error_type"] == "step_limit":
+                forced = True  # BFCL's force-quit: the entry ends here
+                break
+        official = bfcl_official.multi_turn_check(turn_calls, {"id": sample.id, **sample.data},
+                                                  sample.data["ground_truth"], force_terminated=forced)
+        detail: dict[str, Any] = {"diagnostic": diagnostic or {"valid": True, "error_type": None}}
+        if not official["valid"]:
+            detail.update(error=str(official["error"]), error_type=official["error_type"])
+        return Verdict(1.0 if official["valid"] else 0.0, trajectory, detail)
 
     def _run_turn(self, model: ChatModel, messages: list[dict], tools: list[dict], names: dict[str, str],
-                  env: Environment, ctx: EvalContext, key: str) -> tuple[list[dict], dict | None]:
-        """Loop the model on one user turn, appending to `messages`; the steps and a failure, if any."""
+                  env: Environment, ctx: EvalContext,
+                  key: str) -> tuple[list[dict], list[list[dict]], dict | None]:
+        """Loop the model on one user turn, appending to `messages`: the steps, each step's raw tool calls and
+        a failure, if any."""
         steps: list[dict] = []
+        raw: list[list[dict]] = []
         for step in range(self.max_steps_per_turn + 1):
             sampling = ctx.sampling(key, seed=ctx.sample_seed(f"{key}:{step}"))
             responses = model.chat(messages, tools=tools, **sampling)
             response = responses[0] if responses else ChatResponse(content="")
+            raw.append(copy.deepcopy(list(response.tool_calls or [])))
             calls = _decode(response.tool_calls, names)
             if not calls:  # plain text (or undecodable calls, which BFCL also treats as the end of the turn)
                 messages.append({"role": "assistant", "content": response.content or ""})
                 steps.append({"content": response.content, "undecodable": calls is None})
-                return steps, None
+                return steps, raw, None
             if step == self.max_steps_per_turn:
-                return steps, {"error": f"still calling tools after {self.max_steps_per_turn} steps",
-                               "error_type": "step_limit"}
+                return steps, raw, {"error": f"still calling tools after {self.max_steps_per_turn} steps",
+                                    "error_type": "step_limit"}
             ids = [f"call_{key}_{step}_{j}".replace(":", "_") for j in range(len(calls))]
             messages.append({"role": "assistant", "content": response.content, "tool_calls": [
                 {"id": i, "type": "function", "function": {"name": tool, "arguments": json.dumps(args)}}
@@ -222,8 +259,7 @@ class BFCLMultiTurnBenchmark(Benchmark):
         raise AssertionError("unreachable: the loop returns by its last step")
 
     def oracle(self, sample: Sample) -> ChatModel:
-        docs = function_docs(sample.data["involved_classes"])
-        env = self._environment(sample, docs)  # only for the functions' signatures
+        env = self._environment(sample)  # only for the functions' signatures
         turns: list[ChatResponse] = []
         for t, gold_calls in enumerate(sample.data["ground_truth"]):
             if gold_calls:

@@ -8,7 +8,9 @@ docs live in `data/multi_turn_func_doc/`.
 A BFCL function doc is almost an OpenAI tool, with its own type names (`dict`, `float`, `tuple`, `any`) and
 names that may contain dots, which OpenAI-style APIs refuse. `tools_for(docs)` converts a list of docs into
 tools whose `parameters` are valid JSON Schema (Draft 2020-12) and returns the map from each tool name back to
-the BFCL name, so scoring always happens in BFCL's names.
+the BFCL name, so scoring always happens in BFCL's names. As BFCL's function-calling runner does, every
+description ends with "Note that the provided function is in Python 3 syntax." and every float property's
+with "This is a float type value." (with `format: float`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ _TYPES: dict[str, str | None] = {
 }
 # Keywords carried over unchanged; BFCL-only ones (`optional`, a boolean `required`) are dropped.
 _KEPT = ("description", "enum", "default", "format", "minimum", "maximum", "minItems", "maxItems")
+# The hints BFCL's runner appends (`_get_language_specific_hint`, `_cast_to_openai_type`).
+PYTHON_HINT = " Note that the provided function is in Python 3 syntax."
+FLOAT_HINT = " This is a float type value."
 # OpenAI's rule for function names.
 _LEGAL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -55,8 +60,9 @@ def tool_name(name: str) -> str:
     return legal
 
 
-def to_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """One BFCL parameter schema (and everything nested in it) as JSON Schema."""
+def to_json_schema(schema: dict[str, Any], is_property: bool = False) -> dict[str, Any]:
+    """One BFCL parameter schema (and everything nested in it) as JSON Schema; a float property gets BFCL's
+    float hint."""
     out: dict[str, Any] = {}
     bfcl_type = schema.get("type")
     if bfcl_type is not None:
@@ -67,8 +73,11 @@ def to_json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     for key in _KEPT:
         if key in schema:
             out[key] = schema[key]
+    if is_property and bfcl_type == "float":
+        out["description"] = str(out.get("description", "")) + FLOAT_HINT
+        out["format"] = "float"
     if isinstance(schema.get("properties"), dict):
-        out["properties"] = {k: to_json_schema(v) for k, v in schema["properties"].items()}
+        out["properties"] = {k: to_json_schema(v, is_property=True) for k, v in schema["properties"].items()}
     if isinstance(schema.get("required"), list):
         out["required"] = list(schema["required"])
     if isinstance(schema.get("items"), dict):
@@ -82,7 +91,7 @@ def to_tool(doc: dict[str, Any]) -> dict[str, Any]:
     parameters["type"] = "object"  # the top level is always an object, whatever BFCL wrote
     parameters.setdefault("properties", {})
     return {"type": "function", "function": {"name": tool_name(doc["name"]),
-                                             "description": doc.get("description", ""),
+                                             "description": doc.get("description", "") + PYTHON_HINT,
                                              "parameters": parameters}}
 
 

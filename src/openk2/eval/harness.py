@@ -35,9 +35,11 @@ ORACLE = "oracle"
 _UNREACHABLE_LIMIT = 3  # transport failures, with nothing scored yet, before a benchmark stops trying
 
 
-def run_eval(model: str | ChatModel, benchmarks: Sequence[str], out_dir: str | Path, *, limit: int | None = None,
+def run_eval(model: str | ChatModel, benchmarks: Sequence[str | Benchmark], out_dir: str | Path, *,
+             limit: int | None = None,
              ctx: EvalContext | None = None, concurrency: int = 1, progress: bool = True) -> dict[str, Aggregate]:
-    """Score `model` (a ChatModel, a spec for `load_chat_model`, or "oracle") on `benchmarks`; see the module doc."""
+    """Score `model` (a ChatModel, a spec for `load_chat_model`, or "oracle") on `benchmarks` (registered names or
+    Benchmark objects); see the module doc."""
     if not benchmarks:
         raise ValueError("no benchmarks given")
     if concurrency < 1:
@@ -45,7 +47,8 @@ def run_eval(model: str | ChatModel, benchmarks: Sequence[str], out_dir: str | P
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     ctx = ctx or EvalContext()
-    benches = [registry.get(name) for name in benchmarks]  # unknown names fail before any model loads
+    # unknown names fail before any model loads
+    benches = [b if isinstance(b, Benchmark) else registry.get(b) for b in benchmarks]
     for bench in benches:
         bench.check(ctx)
     out = Path(out_dir)
@@ -81,7 +84,7 @@ def _settings(model_name: str, ctx: EvalContext, limit: int | None) -> dict[str,
 def _run_benchmark(bench: Benchmark, model: ChatModel | str, bench_dir: Path, settings: dict, ctx: EvalContext,
                    limit: int | None, concurrency: int, progress: bool) -> Aggregate:
     bench_dir.mkdir(parents=True, exist_ok=True)
-    claim_directory(bench_dir, settings)
+    claim_directory(bench_dir, {**settings, "benchmark": bench.settings()} if bench.settings() else settings)
     samples = bench.samples(limit)
     records_path = bench_dir / "samples.jsonl"
     drop_partial_line(records_path)
@@ -192,6 +195,8 @@ def _write_results(out: Path, benches: Sequence[Benchmark], results: dict[str, A
     for bench in benches:
         agg = results[bench.name]
         table[bench.name] = {"metric": bench.metric, "higher_is_better": bench.higher_is_better, **asdict(agg)}
+        if bench.settings():
+            table[bench.name]["settings"] = bench.settings()
     payload = {"settings": settings, "benchmarks": table}
     atomic_write_text(out / "results.json", json.dumps(payload, indent=2, default=str))
     atomic_write_text(out / "summary.md", format_table(payload, title=f"model `{settings['model']}`"))

@@ -5,8 +5,10 @@ downloaded). The model sees the function's signature and docstring and is asked 
 ```python block. Extraction is forgiving, as the original's completion format is: the fenced block that
 defines the entry point (else the first fenced block, else the raw text); a full function is appended to the
 prompt (so helpers and imports the prompt defines stay available and the model's definition wins), a bare
-body is appended to the prompt as its body. The program then runs with the problem's `check` function in
-`openk2.agentic.sandbox` (no network, time and memory limits), one process per completion.
+body is appended to the prompt as its body. The program then runs in `openk2.agentic.sandbox`'s candidate
+sandbox; the problem's `check` runs in the separate judge sandbox, after the prompt's own code, against a
+handle to the entry point that returns plain values: the completion cannot touch the check, its helpers or
+its verdict (docs/sandbox.md).
 
 pass@k: with `ctx.samples_per_problem = n > 1` each problem gets n completions and scores the unbiased
 estimator 1 - C(n-c, k) / C(n, k) (Chen et al., 2021) for `k = ctx.k`, where c completions passed.
@@ -175,8 +177,11 @@ class HumanEvalBenchmark(Benchmark):
         """Sandbox results of each completion in `texts` for `problem`, in order."""
         entry = problem["entry_point"]
         tests = check_program(problem["test"], entry)
+        # The check runs in the judge sandbox after the prompt (trusted: its helpers, e.g. `poly`, stay the
+        # dataset's own), calling the completion's entry point in the candidate sandbox for plain values.
         jobs = [{"code": build_program(problem["prompt"], extract_code(t, entry), entry), "tests": tests,
-                 "timeout_s": self.timeout_s, "memory_mb": self.memory_mb} for t in texts]
+                 "setup": problem["prompt"], "entry_points": [entry], "timeout_s": self.timeout_s,
+                 "memory_mb": self.memory_mb} for t in texts]
         return self._sandbox().map(jobs)
 
     def _sandbox(self):

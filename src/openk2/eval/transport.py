@@ -14,17 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from openk2.llm.base import ChatModel, ChatResponse
+from openk2.llm.transport import is_transport_error
 
-
-def is_transport_error(exc: BaseException) -> bool:
-    """A failure to reach the model (connection refused or reset, timeout, 5xx), not a reply about the request."""
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    try:
-        import openai
-    except ImportError:
-        return False
-    return isinstance(exc, (openai.APIConnectionError, openai.InternalServerError))
+__all__ = ["TransportGuard", "is_transport_error"]
 
 
 class TransportGuard(ChatModel):

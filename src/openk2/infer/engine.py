@@ -1,7 +1,7 @@
-"""Batched generation for K2ForCausalLM over a latent KV cache, with MLA's absorbed-projection decode.
+"""Batched generation for K2ForCausalLM over a paged latent KV cache, with MLA's absorbed-projection decode.
 
-Prefill runs the whole prompt in MLA's expanded form (per-head keys and values from kv_b_proj, as training
-does); decode runs the absorbed form, which never expands the cache:
+Prefill runs prompt tokens in MLA's expanded form (per-head keys and values from kv_b_proj, as training does);
+decode runs the absorbed form, which never expands the cache:
 
     scores_h[j] = ((q^C_h W_UK_h) . c_j + q^R_h . k^R_j) * scale        W_UK_h: kv_b_proj's k^C rows [N, C]
     out_h       = W_UV_h (sum_j softmax(scores_h)[j] c_j)                W_UV_h: kv_b_proj's v rows   [V, C]
@@ -12,13 +12,19 @@ H * (N + R + V). The forward is the model's own (K2Model and its DecoderLayers):
 `LatentCacheAttention` (openk2.infer.latent_attention) as the layers' attention core, and no statistics collector,
 so MoE load counts and max logits a trainer collects never see inference.
 
-Scheduling (`step`): every running sequence decodes one token; then waiting sequences are admitted into free
-cache slots and prefilled together, which gives them their first token (right-padded: a sequence's tokens sit at
-positions 0..len-1 of its slot, padding only ever follows its real tokens, so the causal mask keeps it out of
-every real token's attention and nothing real changes). The n samples of one request share one prefill (its
-latents are copied to the siblings' slots). So each step adds exactly one token to every unfinished sample.
-Finished sequences free their slot at once and new requests join mid-flight (continuous batching). `generate`
-is add_request for each prompt, then step until done.
+Memory (openk2.infer.kv_cache): a sequence holds a block table into a `PagedLatentCache`; full blocks are named by
+a hash chained over their tokens, so a prompt that starts like an earlier one (a shared system prompt or tool
+list, the previous turn of a conversation, a sibling sample) reuses those blocks and computes only the rest.
+
+Scheduling (`step`): every decoding sequence decodes one token; then prefill runs at most `max_prefill_tokens`
+(padded) prompt tokens: first the next chunk of prompts already being prefilled, then waiting sequences admitted
+while the batch has room (`max_batch_size` sequences) and the cache has blocks for their worst case (prompt +
+max_tokens, so nothing admitted ever runs out of memory). A prompt longer than the budget is prefilled in chunks
+over several steps (chunked prefill) while the others keep decoding; its last chunk gives its first token. Prefill
+rows are right-padded and may start at any cached position (an explicit mask then keeps every real token's view
+exact). The n samples of one request share one prefill: siblings take the leader's full blocks and a copy of its
+partial one. Finished sequences release their blocks at once and new requests join mid-flight (continuous
+batching). `generate` is add_request for each prompt, then step until done.
 
 Shape legend: B batch, T new tokens, S cached positions, H heads, D hidden, C kv_lora_rank, N qk_nope_head_dim,
 R qk_rope_head_dim, V v_head_dim (or vocab for logits).
@@ -26,15 +32,15 @@ R qk_rope_head_dim, V v_head_dim (or vocab for logits).
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from openk2.infer.kv_cache import LatentKVCache
+from openk2.infer.kv_cache import ROOT_HASH, PagedLatentCache, block_hash, prefix_hashes
 from openk2.infer.latent_attention import LatentCacheAttention, absorbed_attention, expanded_attention
 from openk2.infer.sampling import SamplingParams, make_generator, sample_tokens
 
@@ -43,7 +49,7 @@ _UTF8_SLACK = 4  # characters re-scanned for stop strings beyond the longest sto
 __all__ = [
     "Engine",
     "GenerationResult",
-    "LatentKVCache",
+    "PagedLatentCache",
     "SamplingParams",
     "absorbed_attention",
     "expanded_attention",
@@ -73,11 +79,24 @@ class _Sequence:
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator | None
-    slot: int | None = None
+    constraint: Any = None  # per-sample grammar state from params.constraint (see sampling.Constraint)
+    blocks: list[int] = field(default_factory=list)  # block table into the cache
+    cached: int = 0  # tokens whose latents are in the cache (positions 0..cached-1)
+    hashes: list[bytes] = field(default_factory=list)  # prefix names of its leading full blocks, in order
+    shareable: bool = True  # False once the weights changed under it: its blocks are never named again
+    reserve: int = 0  # blocks the sequence may need at most (prompt + max_tokens)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     stop_scan_from: int = 0  # text offset before which no stop string can start any more
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < len(self.prompt)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.tokens[i - n]
 
     def result(self, reason: str, stop_reason, text: str | None) -> GenerationResult:
         logits = torch.stack(self.logits) if self.logits else None
@@ -97,11 +116,18 @@ class Engine:
         max_seq_len: int = 2048,
         max_prefill_tokens: int = 8192,
         absorbed: bool = True,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         """`tokenizer` (an openk2 K2Tokenizer, or anything with decode and eos_id) enables stop strings and
         `text`; max_batch_size sequences (samples) run at once, each at most max_seq_len tokens (prompt +
-        generated); a prefill batch holds at most max_prefill_tokens padded tokens (at least one prompt);
-        `absorbed=False` decodes with the expanded form instead (for checks)."""
+        generated); one step prefills at most max_prefill_tokens padded tokens (longer prompts in chunks);
+        the cache holds num_blocks blocks of block_size tokens (default: max_batch_size full-length sequences);
+        `prefix_caching` shares the blocks of equal prompt prefixes; `absorbed=False` decodes with the expanded
+        form instead (for checks)."""
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.model = model
         self.cfg = model.config
         self.tokenizer = tokenizer
@@ -109,13 +135,19 @@ class Engine:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
         self.absorbed = absorbed
+        self.prefix_caching = prefix_caching
         weight = model.model.embed_tokens.weight
         self.device = weight.device
-        self.cache = LatentKVCache(self.cfg, max_batch_size, max_seq_len, dtype=weight.dtype, device=weight.device)
+        if num_blocks is None:
+            num_blocks = max_batch_size * -(-max_seq_len // block_size)
+        self.cache = PagedLatentCache(self.cfg, num_blocks, block_size, dtype=weight.dtype, device=weight.device)
+        if self.cache.blocks_for(max_seq_len) > num_blocks:
+            raise ValueError(f"num_blocks={num_blocks} cannot hold one sequence of max_seq_len={max_seq_len}")
         self._waiting: deque[_Sequence] = deque()
-        self._running: dict[int, _Sequence] = {}  # slot -> sequence; its last token is sampled, not yet cached
-        self._free_slots = list(range(max_batch_size))
+        self._running: list[_Sequence] = []  # admitted: prefilling (no token yet) or decoding, in admission order
         self._next_request_id = 0
+        self._weights_seen = self._weights_version()
+        self.prefill_tokens_computed = 0  # prompt tokens run through the model (prefix hits excluded)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
@@ -133,7 +165,7 @@ class Engine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an Engine with a tokenizer")
-        active = {s.request_id for s in self._waiting} | {s.request_id for s in self._running.values()}
+        active = {s.request_id for s in self._waiting} | {s.request_id for s in self._running}
         if request_id is None:
             while self._next_request_id in active:
                 self._next_request_id += 1
@@ -141,9 +173,12 @@ class Engine:
             self._next_request_id += 1
         elif request_id in active:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # Constraint states are built before anything is queued, so a bad grammar rejects the whole request.
+        constraints = [params.constraint() if params.constraint is not None else None for _ in range(params.n)]
+        reserve = self.cache.blocks_for(len(prompt) + params.max_tokens)
         for i in range(params.n):
             gen = None if params.greedy else make_generator(params.seed, i, self.device)
-            self._waiting.append(_Sequence(request_id, i, prompt, params, gen))
+            self._waiting.append(_Sequence(request_id, i, prompt, params, gen, constraints[i], reserve=reserve))
         return request_id
 
     def has_unfinished(self) -> bool:
@@ -151,23 +186,33 @@ class Engine:
 
     def running_progress(self) -> list[tuple[int | str, int, list[int], list[float]]]:
         """(request_id, sample_index, tokens so far, their log-probs) of every running sample, for streaming."""
-        return [(s.request_id, s.sample_index, s.tokens, s.logprobs) for s in self._running.values()]
+        return [(s.request_id, s.sample_index, s.tokens, s.logprobs) for s in self._running]
 
     def abort(self, request_id: int | str) -> None:
         """Drop a request's waiting and running samples (no results are produced for them)."""
         self._waiting = deque(s for s in self._waiting if s.request_id != request_id)
-        for slot, seq in list(self._running.items()):
-            if seq.request_id == request_id:
-                self._release(slot)
+        for seq in [s for s in self._running if s.request_id == request_id]:
+            self._release(seq)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the engine also does this by itself when the model's weights change)."""
+        self.cache.forget_prefixes()
+        for seq in self._running:
+            seq.shareable = False  # its latents came from the old weights
 
     def step(self) -> list[GenerationResult]:
-        """One new token for every unfinished sample: decode one token for each running sequence, and prefill
-        waiting ones into free slots (their first token). Returns the samples that finished in this step."""
+        """Decode one token for each decoding sequence, then prefill (a chunk of) waiting prompts within the
+        token budget; a prompt's last chunk gives its first token. Returns the samples that finished."""
         finished: list[GenerationResult] = []
         with self._inference_mode():
-            if self._running:
-                finished += self._decode_step()
-            if self._waiting and self._free_slots:
+            version = self._weights_version()
+            if version != self._weights_seen:  # in-place weight update (RL sync, load_state_dict): stale latents
+                self._weights_seen = version
+                self.reset_prefix_cache()
+            decoding = [s for s in self._running if not s.prefilling]
+            if decoding:
+                finished += self._decode_step(decoding)
+            if self._waiting or any(s.prefilling for s in self._running):
                 finished += self._prefill_step()
         return finished
 
@@ -193,57 +238,111 @@ class Engine:
         return results
 
     # ------------------------------------------------------------------ scheduling
-    def _prefill_step(self) -> list[GenerationResult]:
-        admitted: list[_Sequence] = []
-        leaders: dict[int | str, _Sequence] = {}
-        longest = 0
-        while self._waiting and self._free_slots:
-            seq = self._waiting[0]
-            new_leader = seq.request_id not in leaders
-            if new_leader and leaders:
-                padded = (len(leaders) + 1) * max(longest, len(seq.prompt))
-                if padded > self.max_prefill_tokens:
-                    break
-            self._waiting.popleft()
-            seq.slot = heapq.heappop(self._free_slots)
-            admitted.append(seq)
-            if new_leader:
-                leaders[seq.request_id] = seq
-                longest = max(longest, len(seq.prompt))
-        heads = list(leaders.values())
-        ids = torch.zeros(len(heads), longest, dtype=torch.long)
-        for b, seq in enumerate(heads):
-            ids[b, : len(seq.prompt)] = torch.tensor(seq.prompt)
-        logits = self._forward(ids.to(self.device), [s.slot for s in heads], [len(s.prompt) for s in heads],
-                               absorbed=False)
-        row_of = {s.request_id: b for b, s in enumerate(heads)}
-        for seq in admitted:
-            lead = leaders[seq.request_id]
-            if seq is not lead:
-                self.cache.copy_slot(lead.slot, seq.slot, len(seq.prompt))
-            self._running[seq.slot] = seq
-        rows = torch.tensor([row_of[s.request_id] for s in admitted], device=self.device)
-        return self._sample_and_check(admitted, logits[rows])
+    def _outstanding(self) -> int:
+        """Blocks the admitted sequences may still allocate."""
+        return sum(s.reserve - len(s.blocks) for s in self._running)
 
-    def _decode_step(self) -> list[GenerationResult]:
-        slots = sorted(self._running)
-        seqs = [self._running[s] for s in slots]
-        ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=self.device)
-        logits = self._forward(ids, slots, [1] * len(slots), absorbed=self.absorbed)
+    def _admit(self, seq: _Sequence) -> bool:
+        """Take `seq` into the batch if the cache can hold its worst case; shares its cached prompt prefix."""
+        bs = self.cache.block_size
+        hashes, matched = [], []
+        if self.prefix_caching:  # at least the prompt's last token is computed: its logits give token 1
+            hashes = prefix_hashes(seq.prompt, bs, (len(seq.prompt) - 1) // bs)
+            matched = self.cache.match(hashes)
+        if self.cache.num_available < self._outstanding() + seq.reserve - len(matched):
+            self.cache.release(matched)
+            return False
+        self.cache.hits += len(matched)
+        seq.blocks, seq.cached, seq.hashes = matched, len(matched) * bs, hashes[: len(matched)]
+        self._running.append(seq)
+        return True
+
+    def _fork(self, lead: _Sequence, seq: _Sequence) -> bool:
+        """Give sibling `seq` the leader's prompt cache: its full blocks shared, its partial block copied."""
+        bs = self.cache.block_size
+        full, rest = divmod(len(lead.prompt), bs)
+        if self.cache.num_available < self._outstanding() + seq.reserve - full:
+            return False
+        shared = lead.blocks[:full]
+        for b in shared:
+            self.cache.refs[b] += 1
+        seq.blocks, seq.cached, seq.hashes = list(shared), len(lead.prompt), lead.hashes[:full]
+        seq.shareable = lead.shareable
+        if rest:
+            seq.blocks.append(self.cache.allocate())
+            self.cache.copy_block(lead.blocks[full], seq.blocks[-1], rest)
+        self._running.append(seq)
+        return True
+
+    def _prefill_step(self) -> list[GenerationResult]:
+        budget = self.max_prefill_tokens
+        rows: list[tuple[_Sequence, int]] = []  # (sequence, tokens this step)
+        longest = 0
+
+        def take(seq: _Sequence) -> bool:
+            nonlocal longest
+            width = max(longest, min(len(seq.prompt) - seq.cached, budget // (len(rows) + 1)))
+            if width < 1 or (len(rows) + 1) * width > budget:
+                return False
+            rows.append((seq, min(len(seq.prompt) - seq.cached, width)))
+            longest = width
+            return True
+
+        for seq in [s for s in self._running if s.prefilling]:
+            if not take(seq):
+                break
+        busy = {s.request_id for s in self._running if s.prefilling}  # siblings wait for these to finish
+        for seq in list(self._waiting):
+            if longest and len(rows) * longest >= budget:
+                break
+            if seq.request_id in busy:
+                continue
+            if len(self._running) >= self.max_batch_size or not self._admit(seq):
+                break
+            self._waiting.remove(seq)
+            busy.add(seq.request_id)
+            if not take(seq):
+                break
+        if not rows:
+            return []
+        logits = self._forward([(s, [s.token_at(i) for i in range(s.cached, s.cached + n)]) for s, n in rows],
+                               absorbed=False)
+        self.prefill_tokens_computed += sum(n for _, n in rows)
+        ready, ready_rows = [], []
+        for b, (seq, _) in enumerate(rows):
+            if seq.prefilling:
+                continue
+            ready.append(seq)
+            ready_rows.append(b)
+            for sib in [w for w in self._waiting if w.request_id == seq.request_id]:
+                if len(self._running) >= self.max_batch_size or not self._fork(seq, sib):
+                    break
+                self._waiting.remove(sib)
+                ready.append(sib)
+                ready_rows.append(b)
+        if not ready:
+            return []
+        return self._sample_and_check(ready, logits[torch.tensor(ready_rows, device=self.device)])
+
+    def _decode_step(self, seqs: list[_Sequence]) -> list[GenerationResult]:
+        logits = self._forward([(s, [s.tokens[-1]]) for s in seqs], absorbed=self.absorbed)
         return self._sample_and_check(seqs, logits)
 
     def _sample_and_check(self, seqs: list[_Sequence], logits_BV: torch.Tensor) -> list[GenerationResult]:
-        tokens, logprobs = sample_tokens(logits_BV, [s.params for s in seqs], [s.generator for s in seqs])
+        masks = [s.constraint.allowed() if s.constraint is not None else None for s in seqs]
+        tokens, logprobs = sample_tokens(logits_BV, [s.params for s in seqs], [s.generator for s in seqs], masks)
         finished = []
         for b, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist(), strict=True)):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             if seq.params.return_logits:
                 seq.logits.append(logits_BV[b].float().cpu())
+            if seq.constraint is not None:
+                seq.constraint.advance(token)
             done = self._check_stop(seq, token)
             if done is not None:
                 finished.append(seq.result(*done))
-                self._release(seq.slot)
+                self._release(seq)
         return finished
 
     def _check_stop(self, seq: _Sequence, token: int) -> tuple[str, int | str | None, str | None] | None:
@@ -260,6 +359,8 @@ class Engine:
             # A match must end in text the newest token changed; the slack covers bytes of a split UTF-8
             # character (decoded as replacement characters) that merge into one once it completes.
             seq.stop_scan_from = max(0, len(text) - max(len(s) for s in p.stop) - _UTF8_SLACK)
+        if seq.constraint is not None and seq.constraint.is_terminated():
+            return "stop", None, self._text(seq, text)
         if len(seq.tokens) >= p.max_tokens:
             return "length", None, self._text(seq, text)
         return None
@@ -269,10 +370,15 @@ class Engine:
             return None
         return text if text is not None else self.tokenizer.decode(seq.tokens)
 
-    def _release(self, slot: int) -> None:
-        del self._running[slot]
-        self.cache.free(slot)
-        heapq.heappush(self._free_slots, slot)
+    def _release(self, seq: _Sequence) -> None:
+        self._running.remove(seq)
+        self.cache.release(seq.blocks)
+        seq.blocks = []
+
+    def _weights_version(self) -> int:
+        # Every in-place write to a parameter or buffer bumps its version counter (optimizer steps, copy_).
+        model = self.model
+        return sum(t._version for t in model.parameters()) + sum(t._version for t in model.buffers())
 
     @contextmanager
     def _inference_mode(self):
@@ -290,19 +396,25 @@ class Engine:
                 model.train()
 
     # ------------------------------------------------------------------ the forward pass
-    def _forward(self, ids_BT: torch.Tensor, slots: list[int], lens: list[int], absorbed: bool) -> torch.Tensor:
-        """Append lens[b] tokens ids_BT[b, :lens[b]] (right-padded) to cache slot slots[b], run the model over
-        them and return fp32 logits [B, vocab] at each row's last new token. Updates the slots' lengths."""
-        b, t = ids_BT.shape
-        dev = ids_BT.device
-        starts = [self.cache.lengths[s] for s in slots]
+    def _forward(self, rows: list[tuple[_Sequence, list[int]]], absorbed: bool) -> torch.Tensor:
+        """Append each row's new tokens to its sequence's cache (positions cached..cached+n-1), run the model
+        over them (right-padded) and return fp32 logits [B, vocab] at each row's last new token."""
+        cache, bs, dev = self.cache, self.cache.block_size, self.device
+        lens = [len(ids) for _, ids in rows]
+        starts = [seq.cached for seq, _ in rows]
         totals = [s + n for s, n in zip(starts, lens, strict=True)]
-        if max(totals) > self.max_seq_len:
-            raise IndexError(f"sequence would reach {max(totals)} tokens > max_seq_len={self.max_seq_len}")
-        s_len = max(totals)
+        b, t, s_len = len(rows), max(lens), max(totals)
+        if s_len > self.max_seq_len:
+            raise IndexError(f"sequence would reach {s_len} tokens > max_seq_len={self.max_seq_len}")
+        for seq, total in zip((r[0] for r in rows), totals, strict=True):
+            while len(seq.blocks) < cache.blocks_for(total):
+                seq.blocks.append(cache.allocate())
+        ids_BT = torch.zeros(b, t, dtype=torch.long)
+        for i, (_, ids) in enumerate(rows):
+            ids_BT[i, : len(ids)] = torch.tensor(ids)
+        ids_BT = ids_BT.to(dev)
         offsets = torch.arange(t, device=dev)
-        starts_B = torch.tensor(starts, device=dev)
-        positions_BT = starts_B[:, None] + offsets
+        positions_BT = torch.tensor(starts, device=dev)[:, None] + offsets
         valid_BT = offsets[None, :] < torch.tensor(lens, device=dev)[:, None]
         if all(n == s_len for n in totals) or (max(starts) == 0 and t == s_len):
             # Equal lengths, or a fresh right-padded prefill (padding follows every real token): plain causal.
@@ -312,18 +424,33 @@ class Engine:
             key_pos = torch.arange(s_len, device=dev)
             mask = (key_pos <= positions_BT[..., None]) & (key_pos < torch.tensor(totals, device=dev)[:, None, None])
             mask_B1TS = mask[:, None]
-        slots_B = torch.tensor(slots, device=dev)
+        width = cache.blocks_for(s_len)
+        table_BK = torch.tensor([seq.blocks[:width] + [0] * (width - len(seq.blocks[:width])) for seq, _ in rows],
+                                device=dev)
+        key_pos = torch.arange(s_len, device=dev)
+        read_rows_BS = table_BK[:, key_pos // bs] * bs + key_pos % bs  # past a row's length: masked, any row
+        write_rows = [r for (seq, _), s, n in zip(rows, starts, lens, strict=True)
+                      for r in cache.rows(seq.blocks, s, s + n)]
         all_valid = all(n == t for n in lens)
-        write_slots = slots_B[:, None].expand(b, t) if all_valid else slots_B[:, None].expand(b, t)[valid_BT]
-        write_pos = positions_BT if all_valid else positions_BT[valid_BT]
-        read_slots = slice(0, b) if slots == list(range(b)) else slots_B
-        attention = LatentCacheAttention(self.cache, write_slots, write_pos, None if all_valid else valid_BT,
-                                         read_slots, s_len, mask_B1TS, absorbed)
+        attention = LatentCacheAttention(cache, torch.tensor(write_rows, device=dev),
+                                         None if all_valid else valid_BT, read_rows_BS, mask_B1TS, absorbed)
         hidden_BTD = self.model.model(ids_BT, positions_BT, inner_attention=attention)
-        for slot, total in zip(slots, totals, strict=True):
-            self.cache.lengths[slot] = total
+        for (seq, _), total in zip(rows, totals, strict=True):
+            seq.cached = total
+            if self.prefix_caching and seq.shareable:
+                self._name_full_blocks(seq)
         last = torch.tensor(lens, device=dev) - 1
         return self.model.lm_head(hidden_BTD[torch.arange(b, device=dev), last]).float()
+
+    def _name_full_blocks(self, seq: _Sequence) -> None:
+        """Register the sequence's newly filled blocks in the prefix table (prompt and generated tokens alike:
+        the next turn of a conversation starts with both)."""
+        bs = self.cache.block_size
+        while len(seq.hashes) < seq.cached // bs:
+            k = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else ROOT_HASH
+            seq.hashes.append(block_hash(parent, [seq.token_at(i) for i in range(k * bs, (k + 1) * bs)]))
+            self.cache.register(seq.blocks[k], seq.hashes[-1])
 
 
 def _find_stop(text: str, stops: Sequence[str], scan_from: int) -> tuple[int, str] | None:

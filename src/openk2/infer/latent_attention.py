@@ -6,7 +6,7 @@ Two forms of the same attention over cached rows [c_j, k^R_j] (latent, then the 
     expanded:  per-head keys [k^C_h, k^R] and values v_h from kv_b_proj(c), then SDPA (the training-time form)
 
 `LatentCacheAttention` is the `InnerAttention` the engine passes into the model's own layers: MLAttention computes
-q and the latent as in training, then this stores the new latents in the cache and attends over the slots.
+q and the latent as in training, then this stores the new latents in the cache and attends over each row's blocks.
 Shape legend: B batch, T new tokens, S cached positions, H heads, C kv_lora_rank, N qk_nope_head_dim,
 R qk_rope_head_dim, V v_head_dim, M tokens written.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from openk2.infer.kv_cache import LatentKVCache
+from openk2.infer.kv_cache import PagedLatentCache
 from openk2.model.attention import MLAttention
 from openk2.model.rope import apply_rope
 
@@ -79,14 +79,13 @@ def expanded_attention(
 @dataclass
 class LatentCacheAttention:
     """The engine's attention core for one forward: write each layer's new (latent, roped key) rows into the
-    cache, read the slots' first `length` positions back and attend over them (absorbed or expanded form)."""
+    paged cache, gather every row's first S positions back through its block table and attend over them
+    (absorbed or expanded form)."""
 
-    cache: LatentKVCache
-    write_slots_M: torch.Tensor  # slot of each real new token
-    write_pos_M: torch.Tensor  # its position in the slot
+    cache: PagedLatentCache
+    write_rows_M: torch.Tensor  # cache row of each real new token
     valid_BT: torch.Tensor | None  # which new tokens are real (None: all of them)
-    read_slots: torch.Tensor | slice  # the batch's slots, in row order
-    length: int  # S: positions read per slot
+    read_rows_BS: torch.Tensor  # cache row of positions 0..S-1 of each batch row (any row past its length)
     mask_B1TS: torch.Tensor | None  # True = may attend; None = causal, queries at the last T positions
     absorbed: bool = True
 
@@ -97,8 +96,8 @@ class LatentCacheAttention:
         roped = apply_rope(torch.cat((q_rope, k_rope), dim=1), cos, sin, attn.rope_interleave)
         q_rope, k_rope_BTR = roped[:, :-1], roped[:, -1]
         new_kv = torch.cat((latent_BTC, k_rope_BTR), dim=-1)
-        rows = new_kv if self.valid_BT is None else new_kv[self.valid_BT]
-        self.cache.write(attn.layer_idx, self.write_slots_M, self.write_pos_M, rows)
-        kv = self.cache.read(attn.layer_idx, self.read_slots, self.length)
+        rows = new_kv.flatten(0, 1) if self.valid_BT is None else new_kv[self.valid_BT]
+        self.cache.write(attn.layer_idx, self.write_rows_M, rows)
+        kv = self.cache.read(attn.layer_idx, self.read_rows_BS)
         mla = absorbed_attention if self.absorbed else expanded_attention
         return mla(attn, q_nope, q_rope, kv, self.mask_B1TS)

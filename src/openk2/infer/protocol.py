@@ -79,11 +79,9 @@ class ChatMessage(BaseModel):
         return v
 
     def to_template(self) -> dict:
-        """The dict `openk2.chat.template.render` takes (`developer` is rendered as `system`)."""
-        d = self.model_dump(exclude_none=True)
-        if d["role"] == "developer":
-            d["role"] = "system"
-        return d
+        """The dict `openk2.chat.template.render` takes; JSON nulls count as absent (roles pass as they are:
+        the K2 template gives `developer` its own `<|im_system|>developer` turn)."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatCompletionRequest(BaseModel):
@@ -133,8 +131,9 @@ class ChatCompletionRequest(BaseModel):
             return "logit_bias", "logit_bias is not supported"
         if self.top_logprobs:
             return "top_logprobs", "top_logprobs > 0 is not supported (only the sampled token's logprob)"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format type 'text' is supported"
+        if self.response_format and self.response_format.get("type", "text") not in (
+                "text", "json_object", "json_schema"):
+            return "response_format", "response_format type must be 'text', 'json_object' or 'json_schema'"
         return None
 
     def requested_max_tokens(self) -> int | None:
@@ -192,6 +191,8 @@ class AssistantMessage(BaseModel):
     refusal: str | None = None
     role: Literal["assistant"] = "assistant"
     tool_calls: list[ToolCallOut] | None = None
+    # openk2 extension (vLLM/DeepSeek spelling), only with --reasoning-parser: the model's <think> text.
+    reasoning_content: str | None = None
 
 
 class Choice(BaseModel):
@@ -233,6 +234,7 @@ class ChoiceDelta(BaseModel):
     content: str | None = None
     role: Literal["assistant"] | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None  # openk2 extension, as in AssistantMessage
 
 
 class ChunkChoice(BaseModel):
@@ -257,6 +259,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     object: Literal["model"] = "model"
     owned_by: str = "openk2"
+    # openk2 extension (vLLM spelling): the context length, prompt plus completion tokens.
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):

@@ -5,16 +5,34 @@ whatever else shares its batch. A sample is argmax(p / e) with e ~ Exp(1) i.i.d.
 "exponential race", equivalent to drawing from p); greedy rows (temperature 0) take argmax(logits) and draw
 nothing. Log-probs are always those of the raw model distribution: log_softmax(logits) at temperature 1, before
 any filtering, which is what RL objectives (importance ratios, KL) need.
+
+Constrained decoding: `SamplingParams.constraint` is a factory of per-sample `Constraint` states (a grammar
+matcher); before each draw the engine asks the state which tokens are allowed, masks the others to -inf (for the
+draw only: log-probs stay those of the raw distribution), and tells it the token drawn.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, sample) pairs over the 63-bit seed space
+
+
+class Constraint(Protocol):
+    """One sample's grammar state: which tokens may come next, and what was drawn."""
+
+    def allowed(self) -> torch.Tensor | None:
+        """Bool [vocab] mask of the tokens allowed next (None: any token)."""
+
+    def advance(self, token: int) -> None:
+        """Accept the token drawn (always one `allowed` permitted)."""
+
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete: the sample then ends with finish_reason "stop"."""
 
 
 @dataclass
@@ -31,6 +49,7 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=tuple)  # stop strings (need a tokenizer); cut from `text`
     ignore_eos: bool = False  # otherwise the tokenizer's eos_id (or the config's eos_token_id) also stops
     return_logits: bool = False  # keep each step's fp32 logits [V] (tests, debugging; memory-hungry)
+    constraint: Callable[[], Constraint] | None = None  # builds each sample's grammar state (constrained decoding)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -85,13 +104,20 @@ def sample_tokens(
     logits_BV: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    masks: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [B] and their log-probs [B] under log_softmax(logits) (temperature 1, unfiltered).
 
-    `params[b]` and `generators[b]` belong to row b (a greedy row's generator is not used).
+    `params[b]` and `generators[b]` belong to row b (a greedy row's generator is not used); `masks[b]`, a bool
+    [V] of allowed tokens or None, restricts row b's draw (its log-prob is still the unmasked one).
     """
+    logprobs_BV = logits_BV.float().log_softmax(dim=-1)
     logits = logits_BV.float()
-    logprobs_BV = logits.log_softmax(dim=-1)
+    if masks is not None and any(m is not None for m in masks):
+        logits = logits.clone()
+        for b, m in enumerate(masks):
+            if m is not None:
+                logits[b].masked_fill_(~m.to(logits.device), float("-inf"))
     tokens = logits.argmax(dim=-1)
     sampled = [b for b, p in enumerate(params) if not p.greedy]
     if sampled:

@@ -16,7 +16,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,18 +26,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openk2.chat import ChatFormat, ChatFormatError
-from openk2.chat.tool_parsers import DeltaMessage
+from openk2.chat import TEMPLATES, ChatFormat, ChatFormatError, ReplyDelta, get_reasoning_parser
+from openk2.infer.admission import DEFAULT_MAX_INFLIGHT_WORK, DEFAULT_MAX_REQUEST_WORK, WorkBudget
 from openk2.infer.protocol import (
     ChatCompletionRequest,
     ModelCard,
     ModelList,
 )
+from openk2.infer.streaming import StreamWriter
 
 log = logging.getLogger("openk2.serve")
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
-DEFAULT_MAX_TOKENS_LIMIT = 4096
+DEFAULT_MAX_TOKENS_LIMIT = None  # no cap of its own: max_tokens is bounded by the context (and the work budget)
+DEFAULT_MAX_TOKENS = 4096  # what a request that names no max_tokens gets (less if the context has less room)
+MAX_JSON_DEPTH = 64  # nesting of a request body; deeper is refused (400) before anything recurses over it
 _HELD_BACK = "\ufffd"  # a split UTF-8 character decodes to this until its last byte arrives
 
 
@@ -70,6 +73,13 @@ class _Sink:
     stream: bool
     sent: list[int] = field(default_factory=list)
     finished: int = 0
+    on_close: Callable[[], None] | None = None  # run once when the engine is done with the request
+
+    def close(self) -> None:
+        """The engine holds nothing of this request any more (finished, aborted, failed or rejected)."""
+        hook, self.on_close = self.on_close, None
+        if hook is not None:
+            hook()
 
     def push(self, event: tuple) -> None:
         try:
@@ -123,6 +133,7 @@ class EngineLoop:
                     for rid, sink in self._sinks.items():
                         engine.abort(rid)
                         sink.push(("error", RuntimeError("server shutting down")))
+                        sink.close()
                     self._sinks.clear()
                     return
                 if cmd[0] == "add":
@@ -131,12 +142,15 @@ class EngineLoop:
                         engine.add_request(prompt, params, request_id=rid)
                     except Exception as err:  # noqa: BLE001 - reported to the client as a 400
                         sink.push(("rejected", err))
+                        sink.close()
                         continue
                     sink.sent = [0] * sink.n
                     self._sinks[rid] = sink
                 elif cmd[0] == "abort":
-                    if self._sinks.pop(cmd[1], None) is not None:
+                    gone = self._sinks.pop(cmd[1], None)
+                    if gone is not None:
                         engine.abort(cmd[1])
+                        gone.close()
             if not engine.has_unfinished():
                 continue
             try:
@@ -146,6 +160,7 @@ class EngineLoop:
                 for rid, sink in self._sinks.items():
                     engine.abort(rid)
                     sink.push(("error", err))
+                    sink.close()
                 self._sinks.clear()
                 continue
             self._publish_tokens()
@@ -157,6 +172,7 @@ class EngineLoop:
                 sink.finished += 1
                 if sink.finished >= sink.n:
                     del self._sinks[result.request_id]
+                    sink.close()
 
     def _publish_tokens(self) -> None:
         """Send streaming requests the tokens their running samples gained in this step."""
@@ -180,18 +196,27 @@ class _Prepared:
     prefix: str  # text forced at the start of the assistant turn (tool_choice required / named)
     params: Any
     stops: list[str]
+    tools: list[dict] | None = None  # the request's tools as sent: the parser resolves id-less calls from them
+
+    @property
+    def work(self) -> int:
+        """Tokens this request may make the engine generate: n x max_tokens."""
+        return self.params.n * self.params.max_tokens
 
 
 class ChatService:
     """Turns validated requests into engine requests and engine results into OpenAI responses."""
 
-    def __init__(self, engine: Any, tokenizer: Any, model_name: str, max_tokens_limit: int,
-                 tool_parser: str = "kimi_k2") -> None:
+    def __init__(self, engine: Any, tokenizer: Any, model_name: str, max_tokens_limit: int | None,
+                 tool_parser: str = "kimi_k2", budget: WorkBudget | None = None, reasoning_parser: str | None = None,
+                 chat_template: str | None = None, normalize_tool_call_ids: bool = False) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_tokens_limit = max_tokens_limit
+        self.budget = budget if budget is not None else WorkBudget()
         self.max_seq_len = int(getattr(engine, "max_seq_len", 1 << 30))
         self.loop = EngineLoop(engine)
-        self.format = ChatFormat(tokenizer, tool_parser)
+        self.format = ChatFormat(tokenizer, tool_parser, reasoning_parser, chat_template, normalize_tool_call_ids)
+        self.reasoning = reasoning_parser is not None
         self.created = int(time.time())
 
     # -- request -> engine
@@ -203,7 +228,7 @@ class ChatService:
         bad = req.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None  # as sent
         choice = req.tool_choice
         if choice is not None and not isinstance(choice, str):
             choice = choice.model_dump()
@@ -214,10 +239,11 @@ class ChatService:
         prompt = prepared.token_ids
         room = self.max_seq_len - len(prompt)
         asked = req.requested_max_tokens()
-        if asked is not None and asked > self.max_tokens_limit:
+        if asked is not None and self.max_tokens_limit is not None and asked > self.max_tokens_limit:
             raise APIError(400, f"max_tokens is {asked}, above this server's limit of {self.max_tokens_limit}",
                            param="max_tokens", code="invalid_value")
-        max_tokens = asked if asked is not None else min(self.max_tokens_limit, room)
+        default = min(DEFAULT_MAX_TOKENS, self.max_tokens_limit or DEFAULT_MAX_TOKENS, max(room, 1))
+        max_tokens = asked if asked is not None else default
         if room < 1 or max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {self.max_seq_len} tokens. However, you "
                            f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, "
@@ -226,10 +252,35 @@ class ChatService:
             params = SamplingParams(**req.to_sampling_params(max_tokens, prepared.stop_token_ids))
         except ValueError as err:
             raise APIError(400, str(err)) from err
-        return _Prepared(req, prompt, prepared.prefix, params, req.stop_list())
+        params.constraint = self.constraint(req, tools, choice)
+        prep = _Prepared(req, prompt, prepared.prefix, params, req.stop_list(), tools)
+        if self.budget.too_big(prep.work):
+            raise APIError(400, f"n x max_tokens is {params.n} x {params.max_tokens} = {prep.work} tokens, above "
+                           f"this server's per-request limit of {self.budget.per_request}; ask for fewer samples "
+                           "or tokens", param="max_tokens", code="request_too_large")
+        return prep
+
+    def constraint(self, req: ChatCompletionRequest, tools: list[dict] | None, choice: str | dict | None):
+        """The grammar a reply must follow (openk2.infer.grammar): forced or strict tool calls, JSON output."""
+        from openk2.infer.grammar import reply_constraint
+
+        vocab = getattr(getattr(getattr(self.engine, "model", None), "config", None), "vocab_size", None)
+        try:
+            return reply_constraint(self.tokenizer, vocab or self.tokenizer.vocab_size, tools, choice,
+                                    req.response_format, getattr(self, "strict_tool_calls", False),
+                                    getattr(self, "grammar_max_string_length", None), req.parallel_tool_calls)
+        except ValueError as err:
+            raise APIError(400, str(err), param="response_format") from err
 
     def submit(self, prep: _Prepared, request_id: str) -> _Sink:
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), prep.params.n, prep.request.stream)
+        """Hand the request to the engine, its work reserved until the engine is done with it (429 if full)."""
+        work = prep.work
+        if not self.budget.reserve(work):
+            raise APIError(429, f"the server is busy: {self.budget.in_flight} tokens (n x max_tokens) are in "
+                           f"flight, the limit is {self.budget.per_server} and this request needs {work}; retry "
+                           "later", type_="rate_limit_error", code="server_busy")
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), prep.params.n, prep.request.stream,
+                     on_close=lambda: self.budget.release(work))
         self.loop.submit(request_id, prep.prompt, prep.params, sink)
         return sink
 
@@ -246,8 +297,10 @@ class ChatService:
         completion_tokens = 0
         for r in sorted(results, key=lambda r: r.sample_index):
             completion_tokens += len(r.token_ids)
-            reply = self.format.finish(r, prep.prefix)
+            reply = self.format.finish(r, prep.prefix, prep.tools)
             message: dict[str, Any] = {"content": reply.content, "refusal": None, "role": "assistant"}
+            if self.reasoning:
+                message["reasoning_content"] = reply.reasoning_content
             if reply.tool_calls:
                 message["tool_calls"] = reply.tool_calls
             choice: dict[str, Any] = {"finish_reason": reply.finish_reason,
@@ -279,67 +332,39 @@ class ChatService:
         return results
 
     async def stream(self, prep: _Prepared, request_id: str, sink: _Sink) -> AsyncIterator[bytes]:
-        created = int(time.time())
+        """The SSE body of a streamed completion (`openk2.infer.streaming` gives its shape)."""
         want_lp = prep.request.logprobs
         held = max((len(s) for s in prep.stops), default=1) - 1
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-            body = {"id": request_id, "choices": choices, "created": created, "model": self.model_name,
-                    "object": "chat.completion.chunk", "system_fingerprint": None}
-            if usage is not None:
-                body["usage"] = usage
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
-
-        def delta_choice(i: int, delta, lp: list[dict] | None) -> dict | None:
-            d: dict[str, Any] = {}
-            if delta.content:
-                d["content"] = delta.content
-            if delta.tool_calls:
-                d["tool_calls"] = delta.tool_calls
-                states[i]["calls"] = True
-            if not d and not lp:
-                return None
-            return {"index": i, "delta": d, "finish_reason": None,
-                    "logprobs": {"content": lp, "refusal": None} if lp else None}
-
-        states = [{"ids": [], "lps": [], "emitted": 0, "parser": self.format.stream_parser(), "calls": False}
-                  for _ in range(sink.n)]
+        opts = prep.request.stream_options
+        out = StreamWriter(request_id, self.model_name, int(time.time()), bool(opts and opts.include_usage))
+        states = [{"ids": [], "emitted": 0, "reply": self.format.reply_stream(prep.tools)} for _ in range(sink.n)]
         completion_tokens = 0
         done = 0
         try:
             for i in range(sink.n):
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                         "logprobs": None}
-                out = [first]
-                if prep.prefix:
-                    c = delta_choice(i, states[i]["parser"].feed(prep.prefix), None)
-                    if c is not None:
-                        out.append(c)
-                yield chunk(out)
+                yield out.role(i)
+                if prep.prefix:  # the forced start of the reply (tool_choice) is part of the reply
+                    for chunk in out.deltas(i, states[i]["reply"].feed(prep.prefix)):
+                        yield chunk
             while done < sink.n:
                 event = await sink.queue.get()
                 kind = event[0]
-                if kind == "rejected":
-                    err = APIError(400, str(event[1]))
-                    yield f"data: {json.dumps(err.body())}\n\n".encode()
-                    return
-                if kind == "error":
-                    err = APIError(500, f"generation failed: {event[1]}", type_="server_error")
+                if kind in ("rejected", "error"):
+                    err = APIError(400, str(event[1])) if kind == "rejected" else APIError(
+                        500, f"generation failed: {event[1]}", type_="server_error")
                     yield f"data: {json.dumps(err.body())}\n\n".encode()
                     return
                 if kind == "tokens":
                     _, i, ids, lps = event
                     st = states[i]
                     st["ids"] += ids
-                    st["lps"] += lps
                     text = self.tokenizer.decode(st["ids"])
-                    safe = len(text.rstrip(_HELD_BACK)) - held
+                    safe = len(text.rstrip(_HELD_BACK)) - held  # hold back what a stop string could still cut
                     piece = text[st["emitted"]:safe] if safe > st["emitted"] else ""
                     st["emitted"] = max(st["emitted"], safe)
-                    lp = self.logprob_entries(ids, lps) if want_lp else None
-                    c = delta_choice(i, st["parser"].feed(piece) if piece else DeltaMessage(), lp)
-                    if c is not None:
-                        yield chunk([c])
+                    delta = st["reply"].feed(piece) if piece else ReplyDelta()
+                    for chunk in out.deltas(i, delta, self.logprob_entries(ids, lps) if want_lp else None):
+                        yield chunk
                     continue
                 result = event[1]  # "done"
                 done += 1
@@ -350,19 +375,16 @@ class ChatService:
                 text = self.format.completion_text(result)
                 already = self.tokenizer.decode(st["ids"])[: st["emitted"]]
                 piece = text[len(already):] if text.startswith(already) else ""
+                first, last = st["reply"].feed(piece), st["reply"].finish()
+                delta = ReplyDelta(first.reasoning + last.reasoning, first.content + last.content,
+                                   first.tool_calls + last.tool_calls)
                 new_lp = self.logprob_entries(ids[len(st["ids"]):], lps[len(st["ids"]):]) if want_lp else None
-                parser = st["parser"]
-                d1, d2 = parser.feed(piece), parser.finish()
-                d1.content += d2.content
-                d1.tool_calls += d2.tool_calls
-                c = delta_choice(i, d1, new_lp or None)
-                out = [c] if c is not None else []
-                reason = "tool_calls" if st["calls"] else result.finish_reason
-                out.append({"index": i, "delta": {}, "finish_reason": reason, "logprobs": None})
-                yield chunk(out)
-            opts = prep.request.stream_options
-            if opts is not None and opts.include_usage:
-                yield chunk([], self.usage(len(prep.prompt), completion_tokens))
+                for chunk in out.deltas(i, delta, new_lp or None):
+                    yield chunk
+                yield out.finish(i, result.finish_reason)
+            usage = out.usage(self.usage(len(prep.prompt), completion_tokens))
+            if usage is not None:
+                yield usage
             yield b"data: [DONE]\n\n"
         finally:
             if done < sink.n:
@@ -390,22 +412,44 @@ def create_app(
     model_name: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
+    max_tokens_limit: int | None = DEFAULT_MAX_TOKENS_LIMIT,
     max_batch_size: int = 8,
     max_seq_len: int = 2048,
     device: str | None = None,
     dtype: str | None = None,
+    max_request_work: int | None = DEFAULT_MAX_REQUEST_WORK,
+    max_inflight_work: int | None = DEFAULT_MAX_INFLIGHT_WORK,
+    reasoning_parser: str | None = None,
+    chat_template: str | None = None,
+    normalize_tool_call_ids: bool = False,
+    strict_tool_calls: bool = False,
+    grammar_max_string_length: int | None = None,
 ) -> FastAPI:
     """The FastAPI app. `source` is a checkpoint directory (model + tokenizer, loaded here) or an
     `(engine, tokenizer)` pair; the engine must have a tokenizer for stop strings. `model_name` defaults to the
-    checkpoint directory's name (or "openk2"). `api_key` (None: no auth) is checked as `Authorization: Bearer`."""
+    checkpoint directory's name (or "openk2"). `api_key` (None: no auth) is checked as `Authorization: Bearer`.
+    `max_request_work` / `max_inflight_work` bound n x max_tokens per request (400) and in flight (429); None
+    lifts a bound (`openk2.infer.admission`). `reasoning_parser` (e.g. "kimi_k2") returns `<think>` text as
+    `reasoning_content`; `chat_template` is "kimi_k2" or "kimi_k2_thinking" (the default with a reasoning parser);
+    `normalize_tool_call_ids` renders call ids as `functions.NAME:IDX` (K2 Vendor Verifier's advice; see
+    docs/serving.md)."""
+    budget = WorkBudget(max_request_work, max_inflight_work)  # bad limits fail before a model is loaded
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)  # likewise a bad name
+    if chat_template is not None and chat_template not in TEMPLATES:
+        raise ValueError(f"unknown chat template {chat_template!r}; expected one of {', '.join(sorted(TEMPLATES))}")
     if isinstance(source, tuple):
         engine, tokenizer = source
         model_name = model_name or "openk2"
     else:
         engine, tokenizer = _load(source, max_batch_size, max_seq_len, device, dtype)
         model_name = model_name or Path(source).resolve().name
-    service = ChatService(engine, tokenizer, model_name, max_tokens_limit)
+    service = ChatService(engine, tokenizer, model_name, max_tokens_limit, budget=budget,
+                          reasoning_parser=reasoning_parser, chat_template=chat_template,
+                          normalize_tool_call_ids=normalize_tool_call_ids)
+    # Constrained decoding (openk2.infer.grammar; docs/serving.md): `strict_tool_calls` holds `auto` calls to the
+    # grammar once the model opens a call section; `grammar_max_string_length` caps free strings in arguments.
+    service.strict_tool_calls, service.grammar_max_string_length = strict_tool_calls, grammar_max_string_length
 
     from contextlib import asynccontextmanager
 
@@ -458,14 +502,15 @@ def create_app(
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
         check_auth(request)
-        return ModelList(data=[ModelCard(id=model_name, created=service.created)]).model_dump()
+        card = ModelCard(id=model_name, created=service.created, max_model_len=service.max_seq_len)
+        return ModelList(data=[card]).model_dump()
 
     @app.get("/v1/models/{name}")
     async def get_model(name: str, request: Request) -> dict:
         check_auth(request)
         if name != model_name:
             raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
-        return ModelCard(id=model_name, created=service.created).model_dump()
+        return ModelCard(id=model_name, created=service.created, max_model_len=service.max_seq_len).model_dump()
 
     @app.get("/health")
     async def health() -> dict:
@@ -480,8 +525,13 @@ def create_app(
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise APIError(400, f"We could not parse the JSON body of your request: {err}",
                            code="invalid_json") from err
+        except RecursionError as err:  # json's own nesting guard: far deeper than MAX_JSON_DEPTH
+            raise APIError(400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels",
+                           code="invalid_json") from err
         if not isinstance(payload, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        if _too_deep(payload, MAX_JSON_DEPTH):
+            raise APIError(400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
         try:
             req = ChatCompletionRequest.model_validate(payload)
         except ValidationError as err:
@@ -495,11 +545,38 @@ def create_app(
         if req.stream:
             return StreamingResponse(service.stream(prep, request_id, sink), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(service.collect(sink))
+        gone = asyncio.ensure_future(_client_gone(request))
         try:
-            results = await service.collect(sink)
+            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():  # nobody is waiting for the answer: free its engine slots now
+                log.info("client of %s disconnected; aborting it", request_id)
+                return Response(status_code=499)
+            results = collect.result()
         finally:
+            for task in (collect, gone):
+                task.cancel()
             if sink.finished < sink.n:
                 service.loop.abort(request_id)
         return JSONResponse(service.completion(prep, request_id, results))
 
     return app
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client has disconnected. The body is already read, so the ASGI server's next message is
+    `http.disconnect` (sent when the connection closes, or once the response is complete)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests lists/objects more than `limit` levels (iterative: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False

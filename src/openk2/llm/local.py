@@ -52,6 +52,8 @@ class LocalChatModel(ChatModel):
 
         sampling = dict(sampling)
         choice = sampling.pop("tool_choice", None)
+        response_format = sampling.pop("response_format", None)
+        parallel = sampling.pop("parallel_tool_calls", None)
         if sampling.pop("max_completion_tokens", None) is not None:
             raise ValueError("use max_tokens")
         unknown = set(sampling) - _SAMPLING_KEYS
@@ -65,10 +67,17 @@ class LocalChatModel(ChatModel):
             max_tokens = min(self.default_max_tokens, self.engine.max_seq_len - len(prompt))
         params = SamplingParams(max_tokens=max_tokens, stop=(stop,) if isinstance(stop, str) else tuple(stop),
                                 stop_token_ids=prepared.stop_token_ids, **sampling)
+        if response_format is not None or choice not in (None, "auto", "none"):
+            # Forced tool calls and JSON replies follow their grammar, as in `openk2 serve`.
+            from openk2.infer.grammar import reply_constraint
+
+            vocab = getattr(getattr(getattr(self.engine, "model", None), "config", None), "vocab_size", None)
+            params.constraint = reply_constraint(self.tokenizer, vocab or self.tokenizer.vocab_size, tools, choice,
+                                                 response_format, parallel_tool_calls=parallel)
         return prompt, prepared.prefix, params
 
-    def _response(self, result: Any, prefix: str, usage: dict) -> ChatResponse:
-        reply = self.format.finish(result, prefix)
+    def _response(self, result: Any, prefix: str, usage: dict, tools: Sequence[dict] | None) -> ChatResponse:
+        reply = self.format.finish(result, prefix, tools)
         return ChatResponse(content=reply.content, tool_calls=reply.tool_calls, finish_reason=reply.finish_reason,
                             usage=usage)
 
@@ -83,7 +92,7 @@ class LocalChatModel(ChatModel):
             mine = [r for r in results if r.request_id == k]
             done = sum(len(r.token_ids) for r in mine)
             usage = {"prompt_tokens": len(prompt), "completion_tokens": done, "total_tokens": len(prompt) + done}
-            out[k] = [self._response(r, prefix, usage) for r in sorted(mine, key=lambda r: r.sample_index)]
+            out[k] = [self._response(r, prefix, usage, tools) for r in sorted(mine, key=lambda r: r.sample_index)]
         return out
 
     def chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,

@@ -1,7 +1,8 @@
 """`OpenAIChatModel`: any OpenAI-compatible chat endpoint (OpenAI, vLLM, SGLang, `openk2 serve`).
 
 Uses the official `openai` client, which retries connection errors, 408/409/429 and 5xx with exponential
-backoff (`max_retries`) and applies `timeout` per request. At most `max_concurrency` requests are in flight
+backoff (`max_retries`) and applies `timeout` per request: the one retry layer of every job that calls a model
+(`openk2.llm.transport` says what still failing after it means). At most `max_concurrency` requests are in flight
 per model object (a thread semaphore for `chat`, an asyncio semaphore for `achat`).
 """
 

@@ -103,15 +103,39 @@ def _shard_files(path: Path) -> list[Path]:
 
 
 class _Loader:
-    """Copies checkpoint tensors into a model's parameters, tracking what was filled."""
+    """Copies checkpoint tensors into `targets` (in-memory names -> tensors), reading only the tensors they need.
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.num_layers = model.config.num_hidden_layers
-        self.targets = dict(model.named_parameters())
-        self.targets.update(model.named_buffers())
-        self.pending = {k for k, _ in hf_state_dict(model)}
+    A stacked expert target [E_local, ...] named in `expert_offsets` holds global experts [offset, offset +
+    E_local) (one expert-parallel rank's share); the other experts' tensors are never read."""
+
+    def __init__(self, config: ModelConfig, targets: dict[str, torch.Tensor],
+                 expert_offsets: dict[str, int] | None = None) -> None:
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.targets = targets
+        self.offsets = expert_offsets or {}
+        self.pending = set(self._expected_keys())
+        self.other_keys: frozenset[str] = frozenset()  # checkpoint keys other ranks own: skipped unread
         self.skipped_mtp = 0
+        self.bytes_read = 0
+
+    def _expected_keys(self) -> Iterator[str]:
+        for name, tensor in self.targets.items():
+            if name.endswith(_IGNORED) or (self.config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if name.endswith((".experts.gate_proj", ".experts.up_proj", ".experts.down_proj")):
+                prefix, proj = name.rsplit(".", 1)
+                first = self.offsets.get(name, 0)
+                yield from (f"{prefix}.{e}.{proj}.weight" for e in range(first, first + tensor.shape[0]))
+            else:
+                yield name
+
+    def _wanted(self, key: str) -> bool:
+        """Whether to read `key`; keys of other ranks are skipped, keys of no rank fail in assign."""
+        if (m := _FUSED_KEY.match(key)) is not None:  # one tensor for all experts: read if any is held here
+            held = f"{m.group(1)}.down_proj" in self.targets
+            return held or f"{m.group(1)}.0.down_proj.weight" not in self.other_keys
+        return key not in self.other_keys
 
     def load_file(self, file: Path) -> None:
         with safe_open(str(file), framework="pt") as f:
@@ -123,7 +147,10 @@ class _Loader:
                 if layer and int(layer.group(1)) >= self.num_layers:
                     self.skipped_mtp += 1  # MTP layers sit after the main stack; K2 has none
                     continue
+                if not self._wanted(key):  # another rank's tensor: not read
+                    continue
                 tensor = f.get_tensor(key)
+                self.bytes_read += tensor.nbytes
                 scale_key = key.removesuffix("weight") + "weight_scale_inv"
                 if tensor.dtype == torch.float8_e4m3fn:
                     if scale_key not in keys:
@@ -139,26 +166,57 @@ class _Loader:
             prefix, which = m.group(1), m.group(2)
             if which == "down_proj":
                 for e in range(tensor.shape[0]):
-                    self._copy(f"{prefix}.down_proj", tensor[e], f"{prefix}.{e}.down_proj.weight", index=e)
+                    self._copy(f"{prefix}.down_proj", tensor[e], f"{prefix}.{e}.down_proj.weight", e, fused=True)
             else:
                 gate, up = tensor.chunk(2, dim=1)
                 for e in range(tensor.shape[0]):
-                    self._copy(f"{prefix}.gate_proj", gate[e], f"{prefix}.{e}.gate_proj.weight", index=e)
-                    self._copy(f"{prefix}.up_proj", up[e], f"{prefix}.{e}.up_proj.weight", index=e)
+                    self._copy(f"{prefix}.gate_proj", gate[e], f"{prefix}.{e}.gate_proj.weight", e, fused=True)
+                    self._copy(f"{prefix}.up_proj", up[e], f"{prefix}.{e}.up_proj.weight", e, fused=True)
         elif key in self.targets:
             self._copy(key, tensor, key)
-        elif key == "lm_head.weight" and self.model.config.tie_word_embeddings:
+        elif key == "lm_head.weight" and self.config.tie_word_embeddings:
             return
         else:
             raise ValueError(f"unexpected tensor {key!r} in checkpoint (not part of this config's model)")
 
     @torch.no_grad()
-    def _copy(self, target: str, tensor: torch.Tensor, hf_key: str, index: int | None = None) -> None:
-        dest = self.targets[target] if index is None else self.targets[target][index]
+    def _copy(self, target: str, tensor: torch.Tensor, hf_key: str, index: int | None = None,
+              fused: bool = False) -> None:
+        if target not in self.targets:
+            raise ValueError(f"unexpected tensor {hf_key!r} in checkpoint (not part of this config's model)")
+        dest = self.targets[target]
+        if index is not None:
+            local = index - self.offsets.get(target, 0)
+            if fused and not 0 <= local < dest.shape[0]:
+                return  # another expert-parallel rank's expert: a fused tensor holds every expert
+            if not 0 <= local < dest.shape[0]:
+                raise ValueError(f"unexpected tensor {hf_key!r} in checkpoint (expert {index} is not held here)")
+            dest = dest[local]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"shape mismatch for {hf_key}: expected {tuple(dest.shape)}, found {tuple(tensor.shape)}")
         dest.copy_(tensor)
         self.pending.discard(hf_key)
+
+
+def load_into(targets: dict[str, torch.Tensor], config: ModelConfig, path: str | Path,
+              expert_offsets: dict[str, int] | None = None, all_keys: frozenset[str] = frozenset()) -> int:
+    """Fill `targets` (full-model names -> tensors, e.g. one rank's share) from the HF checkpoint at `path`,
+    reading only the tensors they need; `all_keys` are the whole model's checkpoint keys (those not needed here
+    are skipped unread). Returns the bytes read. Missing tensors, and keys of no rank, are a ValueError."""
+    path = Path(path)
+    loader = _Loader(config, targets, expert_offsets)
+    loader.other_keys = frozenset(all_keys - loader.pending)
+    for file in _shard_files(path):
+        loader.load_file(file)
+    _check_complete(loader, path)
+    return loader.bytes_read
+
+
+def _check_complete(loader: _Loader, path: Path) -> None:
+    if loader.pending:
+        missing = sorted(loader.pending)
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {path} is missing tensors: {', '.join(missing[:5])}{more}")
 
 
 def load_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device="cpu"):
@@ -173,13 +231,12 @@ def load_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, dev
     model.to_empty(device=device)
     model.to(dtype)
     _reset_runtime_buffers(model)
-    loader = _Loader(model)
+    targets = dict(model.named_parameters())
+    targets.update(model.named_buffers())
+    loader = _Loader(cfg, targets)
     for file in _shard_files(path):
         loader.load_file(file)
-    if loader.pending:
-        missing = sorted(loader.pending)
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ValueError(f"checkpoint {path} is missing tensors: {', '.join(missing[:5])}{more}")
+    _check_complete(loader, path)
     if loader.skipped_mtp:
         print(f"note: skipped {loader.skipped_mtp} MTP-layer tensors (not part of K2)", file=sys.stderr)
     return model

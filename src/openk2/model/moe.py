@@ -16,6 +16,8 @@ from openk2.config import ModelConfig
 from openk2.model.layers import MLP
 from openk2.model.stats import ForwardStats
 
+IDLE_SKIP_ROWS = 2  # below this many (token, expert) rows per expert on CPU, run only the experts that got rows
+
 
 @dataclass
 class Routing:
@@ -66,12 +68,13 @@ def grouped_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, offsets: torch.Tenso
     w_EIO = w_EOI.transpose(1, 2)
     if use_grouped_mm:
         return F.grouped_mm(x_MI, w_EIO.to(x_MI.dtype), offs=offsets)
-    # Exact fallback: one matmul per expert over its contiguous slice of rows.
+    # Exact fallback: one matmul per expert over its contiguous slice of rows; idle experts cost nothing.
     outs, start = [], 0
     for e, end in enumerate(offsets.tolist()):
-        outs.append(x_MI[start:end] @ w_EIO[e].to(x_MI.dtype))
+        if end > start:
+            outs.append(x_MI[start:end] @ w_EIO[e].to(x_MI.dtype))
         start = end
-    return torch.cat(outs, dim=0)
+    return torch.cat(outs, dim=0) if outs else x_MI.new_zeros(0, w_EIO.shape[-1])
 
 
 class RoutedExperts(nn.Module):
@@ -91,6 +94,17 @@ class RoutedExperts(nn.Module):
         up = grouped_linear(x_MD, self.up_proj, offsets, self.use_grouped_mm)
         return grouped_linear(F.silu(gate) * up, self.down_proj, offsets, self.use_grouped_mm)
 
+    def active_swiglu(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """`swiglu` over only the experts that received rows: their weights are gathered into a smaller
+        grouped matmul, so idle experts cost neither a group nor a weight read (the same products per row)."""
+        active = counts_E.nonzero().squeeze(1)
+        offsets = counts_E[active].cumsum(0).to(torch.int32)
+
+        def linear(x: torch.Tensor, w_EOI: torch.Tensor) -> torch.Tensor:
+            return grouped_linear(x, w_EOI.index_select(0, active), offsets, self.use_grouped_mm)
+
+        return linear(F.silu(linear(x_MD, self.gate_proj)) * linear(x_MD, self.up_proj), self.down_proj)
+
     def forward(self, x_ND: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns the combined expert output [N, D] and tokens per expert [E]."""
         n, k = routing.indices_NK.shape
@@ -101,7 +115,12 @@ class RoutedExperts(nn.Module):
         offsets = counts_E.cumsum(0).to(torch.int32)
         dtype = torch.get_autocast_dtype(x_ND.device.type) if torch.is_autocast_enabled() else x_ND.dtype
         x_MD = x_ND[token_of_row].to(dtype)
-        y_MD = self.swiglu(x_MD, offsets)
+        if self.use_grouped_mm and x_MD.device.type == "cpu" and 0 < n * k < counts_E.numel() * IDLE_SKIP_ROWS:
+            # Few rows (decode): many experts are idle and CPU grouped_mm pays per group; on GPU the grouped
+            # kernel skips empty groups itself, and finding the idle ones would cost a device sync.
+            y_MD = self.active_swiglu(x_MD, counts_E)
+        else:
+            y_MD = self.swiglu(x_MD, offsets)
         y_MD = y_MD * routing.weights_NK.reshape(-1)[order, None].to(y_MD.dtype)
         out = torch.zeros(n, y_MD.shape[-1], dtype=y_MD.dtype, device=y_MD.device)
         return out.index_add_(0, token_of_row, y_MD), counts_E

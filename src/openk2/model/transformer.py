@@ -16,6 +16,7 @@ from torch import nn
 
 from openk2.config import ModelConfig
 from openk2.model.attention import InnerAttention, MLAttention, segment_causal_mask
+from openk2.model.init import draw_init_seed, init_weights
 from openk2.model.layers import MLP, RMSNorm
 from openk2.model.moe import MoE
 from openk2.model.rope import RotaryEmbedding
@@ -91,34 +92,35 @@ class K2Model(nn.Module):
 class K2ForCausalLM(nn.Module):
     """Kimi K2 / DeepSeek-V3 (main model) causal LM."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, init_seed: int | None = None) -> None:
+        """Built on the current default device; on `meta` nothing is allocated or initialised. `init_seed` fixes
+        the weights (see model/init.py); by default it is one draw from torch's global generator (the only one
+        construction makes), so `torch.manual_seed(s)` before construction still decides them (a meta build
+        draws nothing)."""
         super().__init__()
         self.config = config
-        self.model = K2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        device = torch.empty(0).device  # the caller's default device
+        # Modules are built on meta, so their own default inits neither run nor consume the global generator:
+        # an eager build and a meta build followed by materialisation (train/parallel) draw the same numbers.
+        with torch.device("meta"):
+            self.model = K2Model(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            if init_seed is None:
+                init_seed = draw_init_seed()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_seed = init_seed
         self.reset_parameters()
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and router corrections."""
-        std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, MoE):
-                nn.init.normal_(module.gate.weight, std=std)
-                nn.init.zeros_(module.gate.e_score_correction_bias)
-                for w in (module.experts.gate_proj, module.experts.up_proj, module.experts.down_proj):
-                    nn.init.normal_(w, std=std)
+        """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and router corrections,
+        each tensor from its own generator seeded by (init_seed, name, expert): identical in any layout."""
+        if self.init_seed is not None:
+            init_weights(self, self.config, self.init_seed)
 
     # --------------------------------------------------------------- forward
     def forward(

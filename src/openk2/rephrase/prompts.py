@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from openk2.configfile import read_toml
+from openk2.data.sources import read_utf8
 
 MODES = ("rephrase", "math-note", "translate")
 
@@ -94,7 +95,7 @@ def load_styles(path: str | Path | None = None) -> dict[str, RephraseStyle]:
         raw = read_toml(path, inherit=False)  # style names are the top-level keys, so `base` is a style here
     else:
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(read_utf8(path))
         except json.JSONDecodeError as err:
             raise ValueError(f"style file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {err}") from None
     if not isinstance(raw, dict):

@@ -11,7 +11,9 @@ One document becomes one or more rewrites, each in a style from the prompt bank 
 
 `rephrase_corpus` runs this over sharded JSONL/Parquet with many concurrent requests (`ChatModel.achat` under a
 semaphore). Its output directory is also its journal: one line per finished (document, copy) in the output or
-reject shard, so an interrupted run picks up exactly the unfinished work.
+reject shard, so an interrupted run picks up exactly the unfinished work. A model endpoint that stays down after
+the backend's retries (`openk2.llm.transport`) finishes nothing: the run stops with `EndpointUnreachable`, the
+units in hand stay pending, and rerunning the same command does them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tqdm import tqdm
 
 from openk2.data.chunking import split_segments, stitch
 from openk2.llm.base import ChatModel
+from openk2.llm.transport import EndpointUnreachable, describe, is_transport_error
 from openk2.rephrase.prompts import (
     RephraseStyle,
     clean_rewrite,
@@ -239,9 +242,13 @@ def find_inputs(paths: Sequence[str | Path]) -> list[Path]:
 def read_records(path: Path, text_field: str = "text", id_field: str = "id") -> Iterator[SourceRecord]:
     """Records of one shard; a record without usable text comes back with `problem` set instead of failing."""
     if path.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as err:
+            raise ValueError(f"{path}: not a readable Parquet file ({err})") from None
         if text_field not in table.column_names:
             raise ValueError(f"{path}: no column {text_field!r}; columns are {table.column_names}")
         texts = table.column(text_field).to_pylist()
@@ -249,8 +256,14 @@ def read_records(path: Path, text_field: str = "text", id_field: str = "id") -> 
         for i, (text, rid) in enumerate(zip(texts, ids, strict=True), 1):
             yield _record(path, i, rid, text, text_field)
         return
-    with path.open(encoding="utf-8", errors="replace") as fh:
-        for i, line in enumerate(fh, 1):
+    with path.open("rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield SourceRecord(path.stem, i, f"{path.stem}:{i}", None,
+                                   f"not valid UTF-8 (offset {err.start} of the line)")
+                continue
             if not line.strip():
                 continue
             try:
@@ -369,6 +382,8 @@ async def rephrase_corpus(job: CorpusJob, rephraser: Rephraser) -> dict:
         except asyncio.CancelledError:
             raise
         except Exception as err:  # a failed request is a reject with its reason, not a lost run
+            if is_transport_error(err):  # ... unless the endpoint is down: then the unit stays pending
+                raise
             result = RephraseResult(None, f"error: {type(err).__name__}: {err}")
         stats.record(result)
         base = {"source_id": rec.doc_id, "copy": copy, "style": style.name}
@@ -408,6 +423,13 @@ async def rephrase_corpus(job: CorpusJob, rephraser: Rephraser) -> dict:
         if pending:
             for task in (await asyncio.wait(pending))[0]:
                 task.result()
+    except Exception as err:
+        if not is_transport_error(err):
+            raise
+        raise EndpointUnreachable(
+            f"the model could not be reached after its retries ({describe(err)}); {stats.finished} unit(s) "
+            f"finished this session, all finished work is kept in {job.output}: rerun the same command to do "
+            "the rest") from err
     finally:
         for task in pending:
             task.cancel()

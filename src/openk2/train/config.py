@@ -104,6 +104,7 @@ class TrainSection:
     eval_batches: int = 8
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
+    async_checkpoint: bool = False  # write the DCP shards in a background thread (committed at the next save)
     spike_factor: float = 3.0  # a loss above this times its running mean is a spike (after warm-up)
     on_bad_step: str = "skip"  # what a NaN/inf or spiking loss does: skip the update, or stop the run
     tensorboard: bool = False

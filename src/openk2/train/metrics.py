@@ -9,7 +9,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from openk2.fileio import atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
+
+
+def _free_name(path: Path) -> Path:
+    """`metrics.jsonl` -> the first free `metrics.previous-N.jsonl` beside it."""
+    n = 1
+    while (candidate := path.with_name(f"{path.stem}.previous-{n}{path.suffix}")).exists():
+        n += 1
+    return candidate
 
 
 class MetricsLogger:
@@ -20,9 +30,14 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.is_file():
             kept = [r for r in read_metrics(self.path.parent) if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.is_file():
-            self.path.unlink()
+            # A fresh start in a used directory (no checkpoint to resume, or none that verifies): the old records
+            # are moved aside, never deleted, so a run whose checkpoints were all corrupt keeps its history.
+            kept_as = _free_name(self.path)
+            self.path.rename(kept_as)
+            print(f"warning: starting a new run in {self.path.parent}; earlier metrics kept as {kept_as.name}",
+                  file=sys.stderr)
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:

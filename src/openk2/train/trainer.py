@@ -21,16 +21,22 @@ from openk2.data.unigram import unigram_baseline
 from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.optim.muonclip import MuonClip
 from openk2.optim.schedule import wsd_lr
-from openk2.rng import RNG_FILE, load_rng_state, save_rng_state, seed_everything
+from openk2.rng import capture_rng_state, restore_rng_state, seed_everything
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import RunConfig
+from openk2.train.dcp_checkpoint import ShardedCheckpointer
+from openk2.train.dcp_resume import (
+    fmt_layout,
+    load_rank_state,
+    load_training_state,
+    read_run_state,
+    write_run_state,
+)
+from openk2.train.dcp_state import model_entries, optimizer_entries
 from openk2.train.flops import measure_matmul_peak, training_flops_per_token
 from openk2.train.memory import apply_memory_options
 from openk2.train.metrics import MetricsLogger, plot_run
 from openk2.train.setup import prepare_tokenizer, resolve_device, resolve_precision
-
-OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "trainer_state.json"
 
 
 class BadStepError(RuntimeError):
@@ -126,6 +132,7 @@ class Trainer:
                 print("warning: stopped inside a step; keeping the last complete checkpoint", file=sys.stderr)
             elif last_ckpt is None or last_ckpt.name != self.ckpts.path_for(self.step).name:
                 last_ckpt = self.save_checkpoint() if self.step > 0 else last_ckpt
+            self.finish_checkpoints()  # an asynchronous save commits here at the latest
             self.metrics.close()
         if self._stop_requested:
             print(f"stopped at step {self.step} on request; checkpoint {last_ckpt}", file=sys.stderr)
@@ -263,27 +270,52 @@ class Trainer:
         self._stop_requested = True
 
     # ------------------------------------------------------------------------------------------ checkpoints
+    # Model and optimizer go to DCP shards under layout-free names (openk2.train.dcp_state), so any layout
+    # resumes them; run state, tokenizer and, for one process, the HF-layout model go beside them.
+    _checkpointer: ShardedCheckpointer | None = None
+
     def save_checkpoint(self) -> Path:
-        """Write model (HF layout), optimizer, loader position, schedule position and RNG states."""
+        """Write model + optimizer (DCP), loader and schedule position, RNG states; async if train.async_checkpoint."""
+        if self._checkpointer is None:
+            self._checkpointer = ShardedCheckpointer(self.ckpts, self._checkpoint_group(),
+                                                     async_save=self.cfg.train.async_checkpoint)
+        entries, _ = self._training_state(fresh=False)
+        return self._checkpointer.save(self.step, entries, {"rng": capture_rng_state()}, self._write_main_files)
 
-        def write(path: Path) -> None:
-            self.model.save_pretrained(path)
-            self.tokenizer.save(path)
-            torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)
-            save_rng_state(path / RNG_FILE)
-            state = {"step": self.step, "tokens_seen": self.tokens_seen, "loss_ema": self.loss_ema,
-                     "loader": self.train_loader.state_dict(), "schedule": self.schedule.to_dict()}
-            (path / STATE_FILE).write_text(json.dumps(state))
+    def finish_checkpoints(self) -> Path | None:
+        """Commit a checkpoint still being written in the background; its path, or None when none was."""
+        return None if self._checkpointer is None else self._checkpointer.finish()
 
-        return self.ckpts.save(self.step, write)
+    def _checkpoint_group(self):
+        return None  # one process: no collectives
+
+    def _training_state(self, fresh: bool):
+        """(DCP entries of model + optimizer, install); fresh=True gives buffers to load into."""
+        optim, install = optimizer_entries(self.optimizer, list(self.model.named_parameters()), fresh=fresh)
+        return {**model_entries(self.model.state_dict(keep_vars=True)), **optim}, install
+
+    def _layout(self) -> dict[str, int]:
+        return {"pp": 1, "dp": 1, "ep": 1}
+
+    def _write_main_files(self, path: Path) -> None:
+        self.model.save_pretrained(path)  # the HF export: transformers and `local:` load the directory as is
+        self.tokenizer.save(path)
+        write_run_state(path, {"step": self.step, "tokens_seen": self.tokens_seen, "loss_ema": self.loss_ema,
+                               "loader": self.train_loader.state_dict(), "schedule": self.schedule.to_dict(),
+                               "parallel": self._layout()})
 
     def _load_checkpoint(self, path: Path) -> None:
-        loaded = K2ForCausalLM.from_pretrained(path, dtype=torch.float32)
-        self.model.load_state_dict(loaded.state_dict())
-        self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location=self.device,
-                                                  weights_only=False))
-        state = json.loads((path / STATE_FILE).read_text())
+        state = read_run_state(path)
+        entries, install = self._training_state(fresh=True)
+        load_training_state(path, entries, self._checkpoint_group())
+        install()
         self.step, self.tokens_seen, self.loss_ema = state["step"], state["tokens_seen"], state["loss_ema"]
         self.train_loader.load_state_dict(state["loader"])
-        load_rng_state(path / RNG_FILE)
-        print(f"resumed from {path} at step {self.step}", file=sys.stderr)
+        restore_rng_state(load_rank_state(path, self._checkpointer_rank())["rng"])
+        if self.is_main:
+            saved = state.get("parallel", self._layout())
+            moved = "" if saved == self._layout() else f" (saved at {fmt_layout(saved)}, resharded)"
+            print(f"resumed from {path} at step {self.step}{moved}", file=sys.stderr)
+
+    def _checkpointer_rank(self) -> int:
+        return 0

@@ -3,8 +3,6 @@ import pytest
 from openk2.rl import tasks
 from openk2.rl.tasks.code import extract_code, reference_solution
 
-pytest.importorskip("openk2.agentic.sandbox")  # built by another part of the project; runs once it exists
-
 
 def test_code_task_runs_unit_tests_in_the_sandbox():
     task = tasks.get("code", timeout_s=5.0)
@@ -21,8 +19,13 @@ def test_code_task_runs_unit_tests_in_the_sandbox():
     assert tasks.get("code", timeout_s=2.0).verify(problem, f"Answer:\ndef {name}(xs):\n    while True: pass\n") == 0.0
     # Partial credit: right on empty-or-zero-sum inputs only.
     partial = f"Answer:\n```python\ndef {name}(xs):\n    return 0\n```"
-    expected_zero = problem.data["tests"].count("== 0\n")
+    expected_zero = problem.data["tests"].count(", 0)\n")
+    assert 0 < expected_zero < 6
     assert task.verify(problem, partial) == pytest.approx(expected_zero / 6)
+    # Strict types: the right numbers as floats, or a bool for 0, are wrong answers.
+    floats = f"Answer:\n```python\n{reference_solution(problem)}\n_f = {name}\n{name} = lambda xs: float(_f(xs))\n```"
+    assert task.verify(problem, floats) == 0.0
+    assert task.verify(problem, f"Answer:\n```python\ndef {name}(xs):\n    return False\n```") == 0.0
 
 
 def test_extract_code():

@@ -21,23 +21,25 @@ import numpy as np
 import pytest
 import tomli_w
 import torch
-from safetensors.torch import load_file
 
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import RunConfig
+from openk2.train.hf_export import read_model_state
 from openk2.train.metrics import read_metrics
 from openk2.train.trainer import Trainer
 from tests.train.parallel.ranks import run_ranks
 
 STEPS = 4
 GLOBAL_BATCH = 4
+AUX = 0.05  # sequence-wise aux loss weight of the aux runs: large enough to move the losses by ~1e-1
 
 
 def _raw(micro_raw: dict, out_dir: Path, parallel: dict | None = None, grad_accum: int = 1,
-         checkpoint_every: int = STEPS) -> dict:
+         checkpoint_every: int = STEPS, aux_loss_alpha: float = 0.0) -> dict:
     raw = copy.deepcopy(micro_raw)
     raw["out_dir"] = str(out_dir)
     raw["model"]["num_hidden_layers"] = 4  # 1 dense + 3 MoE layers: enough for 4 pipeline stages
+    raw["model"]["aux_loss_alpha"] = aux_loss_alpha
     raw["optim"].update(qk_clip_tau=0.04)  # below the ~0.05-0.08 max logits of this run: clips every step
     ranks = (parallel or {}).get("dp", 1) * (parallel or {}).get("ep", 1)
     raw["train"].update(steps=STEPS, precision="fp32", batch_size=GLOBAL_BATCH // ranks // grad_accum,
@@ -63,7 +65,7 @@ def _run_all(rank: int, jobs: list[tuple[dict, int | None, bool]]) -> None:
 
 def _weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
     path = CheckpointManager(run_dir / "checkpoints").path_for(step)
-    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    return read_model_state(path)  # from the DCP shards (parallel checkpoints hold no safetensors)
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
@@ -98,6 +100,7 @@ def runs(tmp_path_factory, micro_tokenizer_dir) -> dict[str, Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("openk2.train.trainer.plot_run", lambda run_dir: [])
         Trainer(RunConfig.from_dict(_raw(micro_raw, root / "single"))).run()
+        Trainer(RunConfig.from_dict(_raw(micro_raw, root / "single-aux", aux_loss_alpha=AUX))).run()
     layouts = {
         "dp2": ({"dp": 2}, 1),
         "ep2": ({"ep": 2}, 1),
@@ -105,10 +108,14 @@ def runs(tmp_path_factory, micro_tokenizer_dir) -> dict[str, Path]:
         "pp2-zbv": ({"pp": 2, "pp_virtual_stages": 2, "pp_schedule": "zbv_zero_bubble"}, 2),
     }
     jobs = [(_raw(micro_raw, root / name, parallel, accum), None, False) for name, (parallel, accum) in layouts.items()]
+    aux_layouts = {"pp2-aux": (layouts["pp2"][0], 2), "pp2-zbv-aux": (layouts["pp2-zbv"][0], 2),
+                   "dp2-aux": ({"dp": 2}, 1)}
+    jobs += [(_raw(micro_raw, root / name, parallel, accum, aux_loss_alpha=AUX), None, False)
+             for name, (parallel, accum) in aux_layouts.items()]
     resumed = _raw(micro_raw, root / "dp2-resumed", {"dp": 2}, checkpoint_every=2)
     jobs += [(resumed, 2, False), (resumed, None, True)]
     run_ranks(2, _run_all, jobs)
-    out = {name: root / name for name in (*layouts, "single", "dp2-resumed")}
+    out = {name: root / name for name in (*layouts, *aux_layouts, "single", "single-aux", "dp2-resumed")}
     out["micro_raw"] = micro_raw
     out["root"] = root
     return out
@@ -117,9 +124,9 @@ def runs(tmp_path_factory, micro_tokenizer_dir) -> dict[str, Path]:
 @pytest.mark.slow
 def test_zero1_data_parallel_matches_single_process(runs):
     _assert_same_run(runs["dp2"], runs["single"])
-    shards = sorted(p.name for p in (CheckpointManager(runs["dp2"] / "checkpoints").path_for(STEPS) /
-                                     "optimizer").iterdir())
-    assert shards == ["rank-00000.pt", "rank-00001.pt"]
+    saved = CheckpointManager(runs["dp2"] / "checkpoints").path_for(STEPS)
+    assert {p.name.split("_")[2] for p in (saved / "dcp").glob("*.distcp")} == {"0", "1"}  # each rank wrote shards
+    assert sorted(p.name for p in (saved / "ranks").iterdir()) == ["rank-00000.pt", "rank-00001.pt"]
 
 
 @pytest.mark.slow
@@ -136,6 +143,15 @@ def test_interleaved_pipeline_with_virtual_stages_matches_single_process(runs):
 def test_zero_bubble_v_schedule_matches_single_process(runs):
     """Weight gradients split from input gradients (the report's PP overlap), stages in V placement."""
     _assert_same_run(runs["pp2-zbv"], runs["single"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2-aux", "pp2-zbv-aux", "dp2-aux"])
+def test_sequence_wise_aux_loss_matches_single_process(runs, layout):
+    """The aux loss of every stage reaches the objective (its gradient rides the stage's output gradient)."""
+    _assert_same_run(runs[layout], runs["single-aux"])
+    with_aux, without = _records(runs["single-aux"]), _records(runs["single"])
+    assert with_aux[1]["loss"] - without[1]["loss"] > 0.01  # the aux term is really there (same weights)
 
 
 @pytest.mark.slow

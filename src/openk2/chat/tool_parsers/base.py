@@ -8,29 +8,38 @@ and cannot disagree.
 
 Streaming output follows OpenAI's chat-completion chunk shape. The first delta of a call carries
 `{"index", "id", "type": "function", "function": {"name", "arguments": ""}}`; later ones carry only
-`{"index", "function": {"arguments": <more text>}}`. A call whose arguments are not a JSON object (or
-whose header is malformed) is still reported; `DeltaMessage.errors` gets `{"index", "error"}` when the
-call closes, and the assembled `ToolCall.error` holds the message.
+`{"index", "function": {"arguments": <more text>}}`. A call whose arguments are not a JSON object is still
+reported; `DeltaMessage.errors` gets `{"index", "error"}` when the call closes, and the assembled
+`ToolCall.error` holds the message. A call that names no function (and cannot be resolved from the
+request's declared tools) is never announced: it is dropped, and `DeltaMessage.dropped` gets one note saying
+why. Indices count only announced calls.
+
+A parser is built with the request's declared tools (OpenAI tool specs, or none), which it may use to
+resolve calls; `reset()` keeps them, and `parse` runs a fresh parser with the same tools.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
+
+from openk2.chat.tool_parsers.resolve import DeclaredTool, declared_tools
 
 
 @dataclass
 class DeltaMessage:
-    """What one `feed`/`finish` call made certain: content text, tool-call deltas, call errors."""
+    """What one `feed`/`finish` call made certain: content text, tool-call deltas, call errors, dropped calls."""
 
     content: str = ""
     tool_calls: list[dict] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # one note per call dropped (why), never announced
 
     def is_empty(self) -> bool:
         """Whether this delta carries nothing."""
-        return not (self.content or self.tool_calls or self.errors)
+        return not (self.content or self.tool_calls or self.errors or self.dropped)
 
 
 @dataclass
@@ -53,10 +62,11 @@ class ToolCall:
 
 @dataclass
 class ParseResult:
-    """A whole output, parsed: assistant content and tool calls in emission order."""
+    """A whole output, parsed: assistant content, tool calls in emission order, notes on dropped calls."""
 
     content: str
     tool_calls: list[ToolCall]
+    dropped: list[str] = field(default_factory=list)
 
 
 class StreamAccumulator:
@@ -65,6 +75,7 @@ class StreamAccumulator:
     def __init__(self) -> None:
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
+        self._dropped: list[str] = []
 
     def add(self, delta: DeltaMessage) -> None:
         """Fold one delta in; ValueError if it breaks the OpenAI streaming shape."""
@@ -82,6 +93,7 @@ class StreamAccumulator:
         for err in delta.errors:
             call = self._call(err["index"])
             call.error = err["error"] if call.error is None else f"{call.error}; {err['error']}"
+        self._dropped += delta.dropped
 
     def _call(self, index: int) -> ToolCall:
         """The open call with this index."""
@@ -91,11 +103,11 @@ class StreamAccumulator:
 
     def result(self) -> ParseResult:
         """Everything accumulated so far."""
-        return ParseResult("".join(self._content), list(self._calls))
+        return ParseResult("".join(self._content), list(self._calls), list(self._dropped))
 
 
 class ToolParser(ABC):
-    """Base class: subclasses implement `reset`, `feed` and `finish` (and take no constructor arguments).
+    """Base class: subclasses implement `reset`, `feed` and `finish`; the constructor takes the declared tools.
 
     A format also declares how `tool_choice` is enforced in it: `section_begin` is the special token that
     opens its tool calls (a sample that emits it under `tool_choice="none"` ends there), and
@@ -110,7 +122,8 @@ class ToolParser(ABC):
     def forced_prefix(cls, function_name: str | None) -> str:
         """Assistant-turn text that commits the model to a call: of any function (None) or of `function_name`."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Sequence[Any] | None = None) -> None:
+        self.tools: tuple[DeclaredTool, ...] = declared_tools(tools)  # the request's tools; reset() keeps them
         self.reset()
 
     @abstractmethod
@@ -127,7 +140,7 @@ class ToolParser(ABC):
 
     def parse(self, text: str) -> ParseResult:
         """Parse a complete output (runs the streaming engine on a fresh parser, in one piece)."""
-        parser = type(self)()
+        parser = type(self)(self.tools)
         acc = StreamAccumulator()
         acc.add(parser.feed(text))
         acc.add(parser.finish())

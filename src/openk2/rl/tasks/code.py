@@ -1,8 +1,10 @@
 """Coding: write a Python function; the reward is the pass rate of hidden unit tests run in the sandbox.
 
 Five problem families, one per difficulty level, each with random parameters and random test inputs; the
-expected outputs come from our reference implementation (`reference_solution`). Tests run with
-`openk2.agentic.sandbox.run_python` (separate process, no network, time and memory limits).
+expected outputs come from our reference implementation (`reference_solution`). The code runs in
+`openk2.agentic.sandbox.run_python`'s candidate sandbox and the tests in its judge sandbox, which calls the
+entry point across a pipe and compares the plain results with a strict type-and-value check (`_same`): the
+code cannot reach the tests, the comparison or the reward (docs/sandbox.md).
 The answer is the code after ``Answer:``, fenced or not; a response without ``Answer:`` falls back to its
 last fenced code block.
 """
@@ -16,6 +18,18 @@ from typing import Any
 
 from openk2.rl.tasks.base import Problem, Task, extract_answer
 
+# The tests compare type and value, recursively: `True` is not 1, 1.0 is not 1, a tuple is not a list. They run
+# in the judge sandbox on plain values received from the code's sandbox (docs/sandbox.md), so no object of the
+# code, and none of its `__eq__`, takes part.
+_STRICT_EQUAL = (
+    "def _same(got, want):\n"
+    "    if type(got) is not type(want):\n"
+    "        return False\n"
+    "    if type(want) in (list, tuple):\n"
+    "        return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want))\n"
+    "    if type(want) is dict:\n"
+    "        return got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)\n"
+    "    return got == want\n\n\n")
 _FENCE_RE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _NUM_TESTS = 6
 
@@ -88,8 +102,9 @@ class CodeTask(Task):
         family = _FAMILIES[difficulty](random.Random(f"{self.name}:{seed}:{difficulty}"))
         reference = _load(family["source"], family["function"])
         cases = [(args, reference(*args)) for args in family["inputs"]]
-        tests = "".join(f"def test_{i}():\n    assert {family['function']}({', '.join(map(repr, args))}) == "
-                        f"{expected!r}\n" for i, (args, expected) in enumerate(cases))
+        tests = _STRICT_EQUAL + "".join(f"def test_{i}():\n    assert _same({family['function']}("
+                                        f"{', '.join(map(repr, args))}), {expected!r})\n"
+                                        for i, (args, expected) in enumerate(cases))
         data = {"function": family["function"], "tests": tests, "reference": family["source"]}
         return self._problem(family["statement"], data, seed, difficulty)
 
@@ -99,7 +114,9 @@ class CodeTask(Task):
         code = extract_code(response_text)
         if code is None:
             return 0.0
-        result = run_python(code, tests=problem.data["tests"], timeout_s=self.timeout_s, memory_mb=self.memory_mb)
+        function = problem.data["function"]
+        result = run_python(code, tests=problem.data["tests"], timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                            entry_points=[function])
         if result.killed_reason or result.total == 0:
             return 0.0
         return result.passed / result.total

@@ -23,7 +23,8 @@ EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
 class ExpertParallelExperts(RoutedExperts):
-    """This ep rank's slice of a RoutedExperts: experts [rank * E/ep, (rank + 1) * E/ep), same parameter names."""
+    """This ep rank's slice of a RoutedExperts: experts [rank * E/ep, (rank + 1) * E/ep), same parameter names
+    (sliced from the full weights; from a meta-built model the slice is meta too, and nothing is allocated)."""
 
     def __init__(self, experts: RoutedExperts, group: dist.ProcessGroup, ep_rank: int, ep_size: int) -> None:
         nn.Module.__init__(self)
@@ -32,7 +33,8 @@ class ExpertParallelExperts(RoutedExperts):
             raise ValueError(f"model.n_routed_experts={self.num_experts} is not divisible by parallel.ep={ep_size}")
         self.group, self.ep_size = group, ep_size
         self.num_local = self.num_experts // ep_size
-        local = slice(ep_rank * self.num_local, (ep_rank + 1) * self.num_local)
+        self.expert_offset = ep_rank * self.num_local  # global index of the first local expert (model/init.py)
+        local = slice(self.expert_offset, self.expert_offset + self.num_local)
         for name in EXPERT_WEIGHTS:
             setattr(self, name, nn.Parameter(getattr(experts, name).detach()[local].clone()))
         self.use_grouped_mm = experts.use_grouped_mm

@@ -42,12 +42,35 @@ def stages_of_rank(config: ParallelConfig, pp_rank: int) -> list[int]:
     return [pp_rank + k * config.pp for k in range(config.pp_virtual_stages)]
 
 
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on a stage's output whose backward also starts the backward of the stage's sequence-wise aux loss
+    with gradient `weight` (the loss never reaches the last stage; its gradient rides the activation gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype, ctx.weight = aux.shape, aux.dtype, weight
+        # A copy, not a view: the pipeline's input-gradient pass detaches stage outputs in place. The input is
+        # not saved, so the copy replaces it rather than adding to what backward holds.
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full(ctx.aux_shape, ctx.weight, dtype=ctx.aux_dtype, device=grad.device), None
+
+
 class StageModule(nn.Module):
-    """Decoder layers `layer_ids` of `model`, plus the embedding (first stage) or final norm + lm_head (last)."""
+    """Decoder layers `layer_ids` of `model`, plus the embedding (first stage) or final norm + lm_head (last).
+
+    The MoE layers' sequence-wise aux loss (model.aux_loss_alpha > 0) is added to the training objective with
+    weight `aux_weight` (the micro-batch's share of the step's rows, set by the trainer) through `_AuxLossGrad`;
+    its weighted value is summed into `aux_value` for logging."""
 
     def __init__(self, model: K2ForCausalLM, layer_ids: range, first: bool, last: bool) -> None:
         super().__init__()
+        self.config = model.config
         self.layer_ids = layer_ids
+        self.aux_weight = 1.0
+        self.aux_value = torch.zeros(())
         self.embed_tokens = model.model.embed_tokens if first else None
         self.layers = nn.ModuleList(model.model.layers[i] for i in layer_ids)
         self.rotary_emb = model.model.rotary_emb
@@ -63,8 +86,16 @@ class StageModule(nn.Module):
             x = self.embed_tokens(x)
         b, t = x.shape[:2]
         cos, sin = self.rotary_emb(torch.arange(t, device=x.device).expand(b, t))
+        # This call's own collector: its aux loss (graph kept) is this stage's share of the objective.
+        call = ForwardStats(self.config) if self.stats is None else self.stats.empty_like()
         for layer in self.layers:
-            x = layer(x, cos, sin, stats=self.stats)  # the model's own DecoderLayer
+            x = layer(x, cos, sin, stats=call)  # the model's own DecoderLayer
+        aux = call.aux_loss()
+        if self.stats is not None:
+            self.stats.merge(call)
+        if aux is not None and torch.is_grad_enabled():  # before lm_head: the copy is [B, T, D], not [B, T, V]
+            self.aux_value = self.aux_value.to(aux.device) + aux.detach().float() * self.aux_weight
+            x = _AuxLossGrad.apply(x, aux, self.aux_weight)
         if self.lm_head is not None:
             x = self.lm_head(self.norm(x))
         return x
@@ -79,9 +110,6 @@ class PipelineModel(nn.Module):
         if model.config.tie_word_embeddings:
             raise ValueError("pipeline parallelism does not support tie_word_embeddings (embedding and lm_head "
                              "live on different stages)")
-        if model.config.aux_loss_alpha:
-            raise ValueError("pipeline parallelism runs without the sequence-wise aux loss (model.aux_loss_alpha "
-                             "must be 0; K2 balances experts with the aux-loss-free bias alone)")
         self.config = model.config
         self.num_stages = cfg.num_stages
         ranges = stage_layer_ranges(model.config.num_hidden_layers, self.num_stages)
@@ -124,11 +152,21 @@ class PipelineModel(nn.Module):
         zero counts and -inf max logits, for the cross-rank reductions to fill)."""
         for stage in self.stages:
             stage.stats = stats
+            stage.aux_value = torch.zeros(())
         try:
             yield
         finally:
             for stage in self.stages:
                 stage.stats = None
+
+    def set_aux_weight(self, weight: float) -> None:
+        """The weight of each micro-batch's aux loss in the step's objective (its share of the step's rows)."""
+        for stage in self.stages:
+            stage.aux_weight = weight
+
+    def recorded_aux_loss(self) -> float:
+        """The weighted aux losses this rank's stages added during the last `recording` block."""
+        return float(sum(float(stage.aux_value) for stage in self.stages))
 
     @torch.no_grad()
     def update_router_biases(self, tokens_per_expert: torch.Tensor, rate: float | None = None) -> None:

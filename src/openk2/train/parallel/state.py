@@ -13,6 +13,7 @@ from torch import nn
 
 from openk2.config import ModelConfig
 from openk2.model import K2ForCausalLM
+from openk2.model.io import hf_state_dict, load_into
 from openk2.train.parallel.expert import EXPERT_WEIGHTS, gather_expert_weight
 from openk2.train.parallel.mesh import ParallelMesh
 from openk2.train.parallel.pipeline import PipelineModel
@@ -60,6 +61,18 @@ def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], mesh: Para
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(source.shape)}, the model expects "
                              f"{tuple(tensor.shape)}")
         tensor.copy_(source)
+
+
+@torch.no_grad()
+def load_hf_part(model: nn.Module, config: ModelConfig, path, mesh: ParallelMesh) -> int:
+    """Fill this rank's share from an HF safetensors checkpoint, reading only the tensors it owns (its stages,
+    its experts); returns the bytes read."""
+    targets = local_tensors(model)
+    offsets = {name: mesh.ep_rank * t.shape[0] for name, t in targets.items()
+               if mesh.config.ep > 1 and _is_expert_weight(name)}
+    with torch.device("meta"):
+        everything = frozenset(key for key, _ in hf_state_dict(K2ForCausalLM(config)))
+    return load_into(targets, config, path, offsets, everything)
 
 
 def save_full_model(state: dict[str, torch.Tensor], config: ModelConfig, path) -> None:

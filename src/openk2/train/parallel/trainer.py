@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -23,19 +21,19 @@ import torch.nn.functional as F
 
 from openk2.data.loader import PackedLoader
 from openk2.data.unigram import unigram_baseline
-from openk2.model import ForwardStats, K2ForCausalLM
-from openk2.rng import capture_rng_state, restore_rng_state
+from openk2.model import ForwardStats
+from openk2.model.init import draw_init_seed
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import RunConfig
-from openk2.train.parallel.expert import shard_experts
+from openk2.train.dcp_resume import write_run_state
+from openk2.train.dcp_state import model_entries, optimizer_entries
+from openk2.train.parallel.build import build_model_part
 from openk2.train.parallel.mesh import ParallelMesh, init_parallel
 from openk2.train.parallel.pipeline import PipelineModel, build_schedule, pipeline_forward
-from openk2.train.parallel.state import gather_full_state, load_full_state, save_full_model
+from openk2.train.parallel.state import local_tensors
 from openk2.train.parallel.zero import ZeroMuonClip
 from openk2.train.setup import prepare_tokenizer, resolve_device
-from openk2.train.trainer import STATE_FILE, Trainer
-
-OPTIMIZER_SHARDS = "optimizer"  # checkpoint subdirectory: one rank-NNNNN.pt per rank (ZeRO-1 slices + RNG)
+from openk2.train.trainer import Trainer
 
 
 class ShardedLoader:
@@ -89,6 +87,9 @@ class ParallelTrainer(Trainer):
             prepare_tokenizer(cfg, run_dir, latest)
         self._barrier()
         super().__init__(cfg, out_dir, resume)
+        # The logged tokens/s counts every data rank's tokens; MFU is per device, so the ceiling is the measured
+        # per-device matmul peak times the world size (each of pp x dp x ep devices does its share).
+        self.peak_flops = self.peak_flops * self.mesh.world_size
         if cfg.parallel.pp > 1:
             self.pipeline = build_schedule(
                 self.model, self.mesh, (cfg.train.batch_size, cfg.data.seq_len), cfg.train.grad_accum,
@@ -97,9 +98,13 @@ class ParallelTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------ building
     def _build_model(self):
-        model = K2ForCausalLM(self.cfg.model)  # the same seed on every rank: identical replicas
-        self.expert_names = shard_experts(model, self.mesh)
-        return PipelineModel(model, self.mesh) if self.mesh.config.pp > 1 else model
+        # Only this rank's share is ever allocated (build.py); rank 0's seed draw, which a single-process run
+        # with the same train.seed makes too, initialises every rank's share as that run's model.
+        seed = torch.tensor(draw_init_seed(), dtype=torch.int64, device=self.device)
+        if dist.is_initialized():
+            dist.broadcast(seed, src=0)
+        model, self.expert_names = build_model_part(self.cfg.model, self.mesh, self.device, int(seed))
+        return model
 
     def _build_optimizer(self) -> ZeroMuonClip:
         if isinstance(self.model, PipelineModel):
@@ -134,13 +139,17 @@ class ParallelTrainer(Trainer):
         return loss, counts, tokens
 
     def _data_parallel_step(self, batches, targets, total, stats: ForwardStats) -> tuple[float, torch.Tensor | None]:
-        loss, counts = 0.0, None
+        loss, counts, row_share = 0.0, None, self._aux_weight()
         for batch, n in zip(batches, targets, strict=True):
             with self._autocast():
                 out = self._forward(batch, stats)
-            # out.loss is the micro-batch's token mean; times n / total it is this micro-batch's share of the
-            # global token mean. Backward runs even without targets: the EP all-to-all needs every rank.
-            share = out.loss * (n / total) if n else out.logits.sum() * 0.0
+            # out.loss is the micro-batch's token mean (+ its aux loss); the token mean times n / total is this
+            # micro-batch's share of the global token mean. The aux loss is a mean over sequences, so its share
+            # is the micro-batch's share of the step's rows. Backward runs even without targets: the EP
+            # all-to-all needs every rank.
+            aux = out.aux_loss if out.aux_loss is not None else 0.0
+            share = (out.loss - aux) * (n / total) if n else out.logits.sum() * 0.0
+            share = share + aux * row_share
             share.backward()
             loss += share.item()
             if out.tokens_per_expert is not None:
@@ -154,17 +163,23 @@ class ParallelTrainer(Trainer):
         ids = torch.cat([b["input_ids"] for b in batches]).to(self.device)
         labels = torch.cat([b["labels"] for b in batches]).to(self.device)
         self._loss_scale = 1.0 / total
+        self.model.set_aux_weight(self._aux_weight())
         losses: list[torch.Tensor] = []
         args = (ids,) if self.model.has_first_stage else ()
         kwargs = {"target": labels, "losses": losses} if self.model.has_last_stage else {}
         with self._autocast(), self.model.recording(stats):
             self.pipeline.step(*args, **kwargs)
-        loss = self._sum(sum(float(x.detach()) for x in losses), None)  # only last-stage ranks hold losses
+        # Only last-stage ranks hold cross-entropy losses; every rank adds its stages' weighted aux losses.
+        loss = self._sum(sum(float(x.detach()) for x in losses) + self.model.recorded_aux_loss(), None)
         counts = stats.tokens_per_expert()
         if counts is not None:  # each stage fills its layers' rows; data ranks add their tokens
             counts = counts.to(self.device)
             dist.all_reduce(counts)
         return loss, counts
+
+    def _aux_weight(self) -> float:
+        """One micro-batch's share of the step's rows: the weight of its (sequence-mean) aux loss."""
+        return 1.0 / (self.cfg.train.grad_accum * self.mesh.num_data_ranks)
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Token-summed cross-entropy of one micro-batch over the step's global target count."""
@@ -210,49 +225,37 @@ class ParallelTrainer(Trainer):
         return self._sum(total, None) / count  # over every rank: only last-stage ranks hold a loss
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
-        """Rank 0 writes the gathered model (HF layout) and run state; every rank adds its optimizer slice."""
-        full = gather_full_state(self.model, self.mesh)
-        staging = self.ckpts.root / f".shards-{self.step:07d}"
-        staging.mkdir(parents=True, exist_ok=True)
-        shard = staging / f"rank-{self.mesh.rank:05d}.pt"
-        torch.save({"optimizer": self.optimizer.state_dict(), "rng": capture_rng_state()}, shard.with_suffix(".tmp"))
-        shard.with_suffix(".tmp").replace(shard)
-        self._barrier()
-        if self.is_main:
-            def write(path: Path) -> None:
-                save_full_model(full, self.cfg.model, path)
-                self.tokenizer.save(path)
-                shards = path / OPTIMIZER_SHARDS
-                shards.mkdir()
-                for rank in range(self.mesh.world_size):  # only this layout's ranks, never a stale file
-                    (staging / f"rank-{rank:05d}.pt").replace(shards / f"rank-{rank:05d}.pt")
-                shutil.rmtree(staging, ignore_errors=True)
-                state = {"step": self.step, "tokens_seen": self.tokens_seen, "loss_ema": self.loss_ema,
-                         "loader": self.train_loader.state_dict(), "schedule": self.schedule.to_dict(),
-                         "parallel": {"pp": self.mesh.config.pp, "dp": self.mesh.config.dp,
-                                      "ep": self.mesh.config.ep}}
-                (path / STATE_FILE).write_text(json.dumps(state))
+    # Trainer.save_checkpoint / _load_checkpoint with this rank's part: every rank writes its own DCP shards
+    # (expert rows and ZeRO-1 slices as blocks of the full tensors), so any layout resumes the checkpoint.
+    _ckpt_group = None
 
-            self.ckpts.save(self.step, write)
-        self._barrier()
-        return self.ckpts.path_for(self.step)
+    def _checkpoint_group(self):
+        if self._ckpt_group is None and dist.is_initialized():  # DCP's collectives (and async writes) off the
+            self._ckpt_group = dist.new_group(backend="gloo")  # training group, on CPU
+        return self._ckpt_group
 
-    def _load_checkpoint(self, path: Path) -> None:
-        shard_file = path / OPTIMIZER_SHARDS / f"rank-{self.mesh.rank:05d}.pt"
-        if not shard_file.is_file():
-            raise ValueError(f"{path} has no optimizer shard for rank {self.mesh.rank}; resume with the parallel "
-                             "layout the checkpoint was saved with")
-        loaded = K2ForCausalLM.from_pretrained(path, dtype=torch.float32)
-        load_full_state(self.model, loaded.state_dict(), self.mesh)
-        shard = torch.load(shard_file, map_location=self.device, weights_only=False)
-        self.optimizer.load_state_dict(shard["optimizer"])
-        state = json.loads((path / STATE_FILE).read_text())
-        self.step, self.tokens_seen, self.loss_ema = state["step"], state["tokens_seen"], state["loss_ema"]
-        self.train_loader.load_state_dict(state["loader"])
-        restore_rng_state(shard["rng"])
-        if self.is_main:
-            print(f"resumed from {path} at step {self.step}", file=sys.stderr)
+    def _training_state(self, fresh: bool):
+        tensors = local_tensors(self.model)
+        ep, rank = self.mesh.config.ep, self.mesh.ep_rank
+        rows = {n: (rank * t.shape[0], ep * t.shape[0]) for n, t in tensors.items() if n in self.expert_names}
+        named = (self.model.named_full_parameters() if isinstance(self.model, PipelineModel)
+                 else list(self.model.named_parameters()))
+        optim, install = optimizer_entries(self.optimizer, named, rows, fresh=fresh)
+        return {**model_entries(tensors, rows), **optim}, install
+
+    def _layout(self) -> dict[str, int]:
+        return {"pp": self.mesh.config.pp, "dp": self.mesh.config.dp, "ep": self.mesh.config.ep}
+
+    def _checkpointer_rank(self) -> int:
+        return self.mesh.rank
+
+    def _write_main_files(self, path: Path) -> None:
+        """Rank 0: config.json, tokenizer, run state; no HF weights (`openk2 export` streams them from dcp/)."""
+        (path / "config.json").write_text(json.dumps({**self.cfg.model.to_hf(), "torch_dtype": "float32"}, indent=2))
+        self.tokenizer.save(path)
+        write_run_state(path, {"step": self.step, "tokens_seen": self.tokens_seen, "loss_ema": self.loss_ema,
+                               "loader": self.train_loader.state_dict(), "schedule": self.schedule.to_dict(),
+                               "parallel": self._layout()})
 
     # ------------------------------------------------------------------------------------------ collectives
     def _sum(self, value: float, axis: str | None) -> float:

@@ -1,0 +1,131 @@
+"""Activation bytes a training forward keeps for backward, counted from the model's shapes (no tensors built).
+
+Per token and decoder layer, the tensors autograd saves in openk2's layers (model/attention.py, moe.py, layers.py),
+listed by reading what `saved_tensors_hooks` receive on a real forward:
+
+* RMSNorm: its fp32 input, rsqrt (1 per token), the normalised input and the output the next matmul reads;
+* MLA: q_a output and its norm, the kv latent and its norm, per-head q and k (N+R each) and v, the attention
+  core's saves (math path on CPU: the probabilities, H x T per token; flash/efficient kernels on GPU: the output
+  and a log-sum-exp per head), the attention output o_proj reads;
+* SwiGLU (dense MLP, shared expert): gate and up outputs, silu(gate) and the product down reads;
+* MoE: router scores (fp32) and chosen indices/weights; per routed (token, slot) row: the gathered input, the
+  expert SwiGLU's four tensors, the output and its weighted copy, two int64 row indices; with ep > 1 also the
+  received rows and their expert-sorted copy;
+* the head: final norm, logits and the fp32 log-softmax of the loss.
+
+Memory options (train/memory.py) change the saved set: "full" recompute keeps each layer's fp32 input only;
+"selective" keeps the layer input and the outputs of kept matmuls/attention kernels (not q_b/kv_b/down
+projections); FP8 stores SwiGLU block inputs and gate/up outputs in 1 byte (+ one fp32 scale per 128); offload
+moves what remains to the host. Under recompute, backward re-materialises one layer at a time, so one layer's
+plain activations are added as a transient. Validated against a measured forward on CPU
+(tests/train/parallel/test_plan.py; the tolerance and the numbers are in docs/parallelism.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from openk2.config import ModelConfig
+from openk2.train.memory import MemorySection
+
+FP8_TILE = 128  # train/memory.py: 1 x 128 tiles, the last dim zero-padded to a whole tile
+
+
+def fp8_bytes(width: int) -> int:
+    """Bytes of one row of `width` values stored as FP8 tiles: padded e4m3 values + one fp32 scale per tile."""
+    tiles = -(-width // FP8_TILE)
+    return tiles * (FP8_TILE + 4)
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Bytes per token of one layer (or the head) under given options; `a` is the compute dtype's size."""
+
+    config: ModelConfig
+    memory: MemorySection
+    act_bytes: int = 4  # 4: fp32 compute; 2: bf16 autocast (matmul outputs bf16, norms still fp32)
+    flash_attention: bool = False  # True on GPUs (no T x T probabilities kept); False: CPU math path
+    seq_len: int = 1
+    ep: int = 1
+
+    # ------------------------------------------------------------------ pieces
+    def _norm(self, width: int) -> float:
+        return 4 * width + 4 + 2 * self.act_bytes * width
+
+    def _attention(self, plain: bool = True) -> float:
+        c, a = self.config, self.act_bytes
+        h, qk, v = c.num_attention_heads, c.qk_head_dim, c.v_head_dim
+        q_path = self._norm(c.q_lora_rank) if c.q_lora_rank else 0
+        kv = 4 * (c.kv_lora_rank + c.qk_rope_head_dim) + 4 + 2 * a * c.kv_lora_rank
+        core = (a * h * v + 4 * h) if self.flash_attention else a * h * self.seq_len
+        return q_path + kv + 2 * a * h * qk + a * h * v + core + a * h * v
+
+    def _swiglu(self, width: int, rows: float = 1.0) -> float:
+        """gate, up, silu(gate), product: 4 tensors of `width` per row (FP8 stores gate and up)."""
+        a = self.act_bytes
+        if self.memory.fp8_activations:
+            return rows * (2 * fp8_bytes(width) + 2 * a * width)
+        return rows * 4 * a * width
+
+    def _moe(self) -> float:
+        c, a = self.config, self.act_bytes
+        k, d = c.num_experts_per_tok, c.hidden_size
+        router = 4 * c.n_routed_experts + 8 * k + 4 + 4 * k
+        row_input = fp8_bytes(d) if self.memory.fp8_activations else a * d
+        routed = k * (row_input + 2 * a * d + 4 + 16) + self._swiglu(c.moe_intermediate_size, k)
+        if self.ep > 1:
+            routed += 2 * a * k * d  # received rows and their expert-sorted copy
+        shared = self._swiglu(c.moe_intermediate_size * c.n_shared_experts)
+        if self.memory.fp8_activations:  # its input's FP8 copy, beside the full one the router keeps
+            shared += fp8_bytes(d)
+        return router + routed + shared
+
+    def _selective(self, moe: bool) -> float:
+        """Selective recompute keeps the layer input and the kept matmul / attention-kernel outputs."""
+        c, a = self.config, self.act_bytes
+        h = c.num_attention_heads
+        kept = 4 * c.hidden_size + a * (c.q_lora_rank or 0) + a * (c.kv_lora_rank + c.qk_rope_head_dim)
+        kept += (a * h * c.v_head_dim + 4 * h) if self.flash_attention else a * h * (self.seq_len + c.v_head_dim)
+        kept += a * c.hidden_size  # o_proj output
+        fp8 = self.memory.fp8_activations
+        if moe:
+            k, d, i = c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+            s = i * c.n_shared_experts
+            kept += 4 * c.n_routed_experts  # the router's fp32 matmul
+            kept += k * (fp8_bytes(d) + 2 * fp8_bytes(i)) if fp8 else 2 * a * k * i
+            kept += fp8_bytes(d) + 2 * fp8_bytes(s) if fp8 else 2 * a * s
+        else:
+            d, i = c.hidden_size, c.intermediate_size
+            kept += fp8_bytes(d) + 2 * fp8_bytes(i) if fp8 else 2 * a * i
+        return kept
+
+    # ------------------------------------------------------------------ per token
+    def plain_layer(self, moe: bool) -> float:
+        """Bytes per token one decoder layer keeps with no recompute."""
+        c = self.config
+        mlp = self._moe() if moe else self._swiglu(c.intermediate_size)
+        if self.memory.fp8_activations and not moe:
+            mlp += fp8_bytes(c.hidden_size) - self.act_bytes * c.hidden_size  # the block input in FP8
+        return 2 * self._norm(c.hidden_size) + self._attention() + mlp
+
+    def layer(self, moe: bool) -> float:
+        """Bytes per token one decoder layer keeps under the configured options (on the device)."""
+        mode = self.memory.recompute
+        if mode == "full":
+            kept = 4.0 * self.config.hidden_size
+        elif mode == "selective":
+            kept = self._selective(moe)
+        else:
+            kept = self.plain_layer(moe)
+        if self.memory.cpu_offload:  # what offload leaves on the device: FP8 tiles (the selective cache stays)
+            kept = self._selective(moe) - 4.0 * self.config.hidden_size if mode == "selective" else 0.0
+        return kept
+
+    def head(self) -> float:
+        """Final norm, logits and the loss's fp32 log-softmax, per token."""
+        v = self.config.vocab_size
+        return self._norm(self.config.hidden_size) + self.act_bytes * v + 4 * v
+
+    def recompute_transient(self, moe: bool) -> float:
+        """Per token: the one layer a recomputing backward re-materialises at a time (0 without recompute)."""
+        return self.plain_layer(moe) if self.memory.recompute != "none" else 0.0

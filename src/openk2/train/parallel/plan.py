@@ -1,0 +1,144 @@
+"""`openk2 plan`: every rank's share of a run's model built on the meta device, and its device bytes.
+
+Per rank: parameters, gradients, master weights, optimizer state (counted from the meta-built share, so the
+counts are the trainer's own), activations (activations.py, at train.batch_size x data.seq_len under the
+`[memory]` options, times the micro-batches the pipeline schedule keeps in flight on that rank) and transient
+buffers (the optimizer step's flat gathers, pipeline receive buffers, a recomputed layer). Total = the
+persistent states + the larger of the two phases (forward/backward vs optimizer step).
+
+Two state policies: "fp32" is what the trainer does today (fp32 weights replicated within their group, fp32
+gradients, ZeroMuonClip's state sharded: Muon momentum 4 B, AdamW moments + its flat slice 12 B per element);
+"bf16" is the report's (bf16 weights, fp32 gradients, an fp32 master copy and the optimizer state sharded).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+from openk2.optim.param_groups import default_muon_filter
+from openk2.train.config import RunConfig
+from openk2.train.parallel.activations import ActivationModel
+from openk2.train.parallel.build import full_name_of, meta_model_part
+from openk2.train.parallel.config import ParallelConfig
+from openk2.train.parallel.mesh import ParallelMesh
+from openk2.train.parallel.pipeline import PipelineModel, stage_layer_ranges, stages_of_rank
+
+STATE_POLICIES = {"fp32": {"param": 4, "grad": 4, "master": 0}, "bf16": {"param": 2, "grad": 4, "master": 4}}
+
+
+@dataclass
+class RankPlan:
+    """Device bytes of one rank."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+    num_params: int
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    comm_bytes: int
+    total_bytes: int
+
+
+def in_flight_microbatches(parallel: ParallelConfig, pp_rank: int, num_microbatches: int) -> int:
+    """Stage-micro-batches whose activations a pipeline rank holds at its peak under the configured schedule."""
+    pp, v, m = parallel.pp, len(stages_of_rank(parallel, pp_rank)), num_microbatches
+    if pp == 1:
+        return 1  # each micro-batch's backward runs before the next forward
+    schedule = parallel.pp_schedule
+    if schedule in ("gpipe", "looped_bfs"):
+        return m * v  # every forward before any backward
+    if schedule == "1f1b":
+        return min(m, pp - pp_rank)
+    # Interleaved (and the zero-bubble variants, approximated alike): torch's warm-up count + 1.
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), m * v)
+    return min(warmup + 1, m * v)
+
+
+def _shard(numel: int, group: int) -> int:
+    return math.ceil(numel / group)
+
+
+def plan_rank(cfg: RunConfig, parallel: ParallelConfig, pp_rank: int, states: str = "fp32",
+              device_type: str = "cuda") -> RankPlan:
+    """The bytes of rank (pp_rank, 0, 0) (dp and ep ranks of one pipeline rank hold equal shares)."""
+    policy = STATE_POLICIES[states]
+    mesh = ParallelMesh(parallel, None, pp_rank * parallel.dp * parallel.ep, pp_rank, 0, 0)
+    part, expert_names = meta_model_part(cfg.model, mesh)
+    rename = full_name_of(part)
+    groups = {"expert": parallel.dp, "dense": parallel.dp * parallel.ep}
+    buckets: dict[tuple[str, str], int] = defaultdict(int)
+    for name, p in part.named_parameters():
+        full = rename(name)
+        kind = "muon" if cfg.optim.optimizer == "muon" and default_muon_filter(full, p) else "adamw"
+        buckets[("expert" if full in expert_names else "dense", kind)] += p.numel()
+    num = sum(buckets.values())
+    optimizer = master = step_buffers = 0
+    for (where, kind), numel in buckets.items():
+        slice_ = _shard(numel, groups[where])
+        optimizer += slice_ * (4 if kind == "muon" else 12)  # momentum | AdamW moments + the flat slice
+        master += slice_ * policy["master"]
+        # The step's transients for one bucket: the flat reduce-scatter input, the gathered full buffer and the
+        # Newton-Schulz copies (muon), plus the reduced gradient slice.
+        step_buffers = max(step_buffers, 4 * numel * (2 if kind == "muon" else 1) + 4 * slice_)
+    activations, pipeline_buffers, transient = _activation_bytes(cfg, parallel, part, pp_rank, device_type)
+    persistent = num * (policy["param"] + policy["grad"]) + master + optimizer
+    total = persistent + max(activations + pipeline_buffers + transient, step_buffers)
+    return RankPlan(rank=mesh.rank, pp_rank=pp_rank, dp_rank=0, ep_rank=0, num_params=num,
+                    params_bytes=num * policy["param"], grads_bytes=num * policy["grad"], master_bytes=master,
+                    optimizer_bytes=optimizer, activation_bytes=activations,
+                    comm_bytes=max(pipeline_buffers, step_buffers), total_bytes=total)
+
+
+def _activation_bytes(cfg: RunConfig, parallel: ParallelConfig, part, pp_rank: int,
+                      device_type: str) -> tuple[int, int, int]:
+    """(activations held at the peak, pipeline receive buffers, one recomputed layer) in bytes."""
+    model = cfg.model
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device_type == "cuda")
+    act = ActivationModel(model, cfg.memory, act_bytes=2 if bf16 else 4, flash_attention=device_type == "cuda",
+                          seq_len=cfg.data.seq_len, ep=parallel.ep)
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    ranges = stage_layer_ranges(model.num_hidden_layers, parallel.num_stages)
+    stage_ids = part.stage_ids if isinstance(part, PipelineModel) else [0]
+    if not isinstance(part, PipelineModel):
+        ranges = [range(model.num_hidden_layers)]
+    per_stage = [sum(act.layer(model.is_moe_layer(i)) for i in ranges[s]) for s in stage_ids]
+    in_flight = in_flight_microbatches(parallel, pp_rank, cfg.train.grad_accum)
+    held = in_flight * max(per_stage) * tokens
+    last = len(ranges) - 1
+    if last in stage_ids:
+        held += act.head() * tokens  # the last stage's backward follows its forward: one micro-batch of logits
+    recompute = max(act.recompute_transient(model.is_moe_layer(i)) for s in stage_ids for i in ranges[s])
+    pipeline_buffers = 2 * 4 * tokens * model.hidden_size * len(stage_ids) if parallel.pp > 1 else 0
+    return int(held), int(pipeline_buffers), int(recompute * tokens)
+
+
+def plan(cfg: RunConfig, world: int | None = None, states: str = "fp32", device_type: str = "cuda") -> dict:
+    """Every rank's bytes (JSON-ready): world_size, max_rank_bytes, per_rank, and the layout used."""
+    if states not in STATE_POLICIES:
+        raise ValueError(f"states must be one of {sorted(STATE_POLICIES)}, got {states!r}")
+    parallel = cfg.parallel
+    if world is not None and world != parallel.world_size:
+        model_parallel = parallel.pp * parallel.ep
+        if world % model_parallel:
+            raise ValueError(f"--world {world} is not a multiple of parallel.pp x ep = {model_parallel}")
+        parallel = ParallelConfig(**{**asdict(parallel), "dp": world // model_parallel})
+    by_pp = [plan_rank(cfg, parallel, p, states, device_type) for p in range(parallel.pp)]
+    per_rank = []
+    for rank in range(parallel.world_size):
+        pp_rank, rest = divmod(rank, parallel.dp * parallel.ep)
+        dp_rank, ep_rank = divmod(rest, parallel.ep)
+        per_rank.append({**asdict(by_pp[pp_rank]), "rank": rank, "dp_rank": dp_rank, "ep_rank": ep_rank})
+    worst = max(per_rank, key=lambda r: r["total_bytes"])
+    return {"world_size": parallel.world_size, "layout": {"pp": parallel.pp, "dp": parallel.dp, "ep": parallel.ep,
+                                                          "pp_virtual_stages": parallel.pp_virtual_stages,
+                                                          "pp_schedule": parallel.pp_schedule},
+            "states": states, "device_type": device_type, "max_rank_bytes": worst["total_bytes"],
+            "worst_rank": worst["rank"], "per_rank": per_rank}
