@@ -62,7 +62,7 @@ def _measure(cfg: ModelConfig, world: int, rank: int, root: Path, repeats: int) 
     from openk2.train.parallel.config import ParallelConfig
     from openk2.train.parallel.mesh import init_parallel
     from openk2.train.parallel.state import gather_full_state, load_full_state, save_full_model
-    from openk2.train.parallel.zero import ZeroMuonClip
+    from openk2.train.parallel.zero import DistributedMuonClip
 
     torch.manual_seed(0)
     model = K2ForCausalLM(cfg)
@@ -72,8 +72,8 @@ def _measure(cfg: ModelConfig, world: int, rank: int, root: Path, repeats: int) 
         optimizer, mesh, group = MuonClip(model, **kwargs), None, None
     else:
         mesh = init_parallel(ParallelConfig(dp=world, backend="gloo"), torch.device("cpu"))
-        optimizer = ZeroMuonClip(model, named, dict(enumerate(model.attention_layers())), **kwargs,
-                                 dense_group=mesh.group("data"), expert_group=mesh.group("dp"))
+        optimizer = DistributedMuonClip(model, named, dict(enumerate(model.attention_layers())), **kwargs,
+                                        dense_group=mesh.group("data"), expert_group=mesh.group("dp"))
         group = dist.new_group(backend="gloo")
     _step(model, optimizer)
 

@@ -87,7 +87,7 @@ def test_kimi_k2_format_returns_reasoning_content():
     assert fmt.template == "kimi_k2_thinking"
 
     class Result:
-        finish_reason, stop_reason, text, logprobs = "length", None, None, []
+        finish_reason, stop_reason, text, logprobs = "stop", None, None, []  # ended by its stop token
         token_ids = tok.encode("<think>Use the tool.</think>" + SECTION, allow_special=True)
 
     reply = fmt.finish(Result())

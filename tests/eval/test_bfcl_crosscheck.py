@@ -41,7 +41,7 @@ def test_other_perturbations_agree(result):
             disagreements = counts["BFCL only"] + counts["openk2 only"]
             explained = sum(by_class.get(cls, 0) for by_class in result["reasons"].values())
             assert disagreements == explained, (group, cls, counts)
-            # both verdicts occur over the corpus, so agreement is not a checker that always says the same
+    # both verdicts occur over the corpus, so agreement is not two checkers that always say the same
     single, multi = result["single_turn"], result["multi_turn"]
     assert single["gold"]["both pass"] > 0 and single["wrong_value"]["both fail"] == sum(
         single["wrong_value"].values())

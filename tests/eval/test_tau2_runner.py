@@ -29,19 +29,19 @@ def dev() -> Tau2Benchmark:
 
 @pytest.fixture(scope="module")
 def tasks(dev):
-    """Three test-split tasks with distinct openings and short gold replays (the endpoint tells them apart by
-    what the user says first)."""
+    """Two test-split tasks with distinct openings and short gold replays (the endpoint tells them apart by
+    what the user says first): one that must tell the customer facts (COMMUNICATE) and one that need not."""
     chosen, openings = {}, set()
     for sample in dev.samples():
         task = sample.data["task"]
-        text = opening_request(task)
-        if text in openings or len(task["evaluation_criteria"]["actions"]) > 6:
+        text, says = opening_request(task), bool(task["evaluation_criteria"].get("communicate_info"))
+        if text in openings or len(task["evaluation_criteria"]["actions"]) > 6 or says in chosen:
             continue
         openings.add(text)
-        chosen[sample.id] = sample
-        if len(chosen) == 3:
+        chosen[says] = sample
+        if len(chosen) == 2:
             break
-    return chosen
+    return {s.id: s for s in chosen.values()}
 
 
 def _script(dev, sample, variant):
@@ -111,8 +111,12 @@ def test_tau2_runner_matches_openk2_loop(dev, tasks, endpoint):
             assert _calls_and_results(theirs.answer[0]) == _calls_and_results(ours.answer), (task_id, variant)
             assert theirs.score == ours.score == trial["reward"], (task_id, variant, theirs.detail, ours.detail)
             rewards[(task_id, variant)] = ours.score
-    # the corpus has both outcomes: gold passes everywhere, and some wrong variant fails
-    assert all(rewards[(t, "gold")] == 1.0 for t in tasks) and 0.0 in rewards.values()
+    # both outcomes occur: gold passes everywhere, no action fails the DB check everywhere, and the gold calls
+    # without the facts fail exactly where facts must be told (COMMUNICATE)
+    assert all(rewards[(t, "gold")] == 1.0 and rewards[(t, "idle")] == 0.0 for t in tasks)
+    says = {t: bool(s.data["task"]["evaluation_criteria"].get("communicate_info")) for t, s in tasks.items()}
+    assert sorted(says.values()) == [False, True]
+    assert all(rewards[(t, "silent")] == (0.0 if says[t] else 1.0) for t in tasks)
     assert any(r["tools"] for r in endpoint.requests if r["model"].startswith("agent"))
 
 

@@ -44,3 +44,42 @@ def test_probe_matches_explicit_logits_and_accumulates():
     stats = ForwardStats(model.config)
     model(ids, stats=stats)
     assert stats.max_logits().isinf().all()
+
+
+def test_probe_runs_once_per_forward_under_recompute(monkeypatch):
+    """Backward's replay of a checkpointed layer records into a throw-away collector marked `replay`: nothing
+    is recorded twice, a separate probe (the non-fused path) is not run again, and the record equals the one
+    without recompute."""
+    from openk2.model import attention, attention_core
+    from openk2.train.memory import MemorySection, apply_memory_options
+
+    torch.manual_seed(0)
+    model = K2ForCausalLM(small_config(initializer_range=0.2))
+    ids = torch.randint(0, 97, (2, 13))
+    plain = ForwardStats(model.config, track_max_logits=True)
+    model(ids, labels=ids, stats=plain).loss.backward()
+    records, probes = [], []
+    record, probe = ForwardStats.record_max_logits, attention_core.head_max_logits
+    monkeypatch.setattr(ForwardStats, "record_max_logits", lambda self, *a: records.append(1) or record(self, *a))
+    monkeypatch.setattr(attention_core, "head_max_logits", lambda *a, **kw: probes.append(1) or probe(*a, **kw))
+
+    def separate(q, k, v, scale, mask, need_max=True):  # the path a non-CPU device takes
+        head_max = attention_core.head_max_logits(q, k, scale, mask) if need_max else None
+        return attention_core.attend(q, k, v, scale, mask), head_max
+
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(attention, "attend_with_max", separate)
+        for mode in ("full", "selective"):
+            records.clear(), probes.clear()
+            handle = apply_memory_options(model, MemorySection(recompute=mode))
+            try:
+                stats = ForwardStats(model.config, track_max_logits=True)
+                model(ids, labels=ids, stats=stats).loss.backward()
+            finally:
+                handle.remove()
+            layers = model.config.num_hidden_layers
+            # each layer records once into the call's collector, and the call's collector merges once
+            assert len(records) == 2 * layers, (fused, mode)
+            assert len(probes) == (0 if fused else layers), (fused, mode)
+            torch.testing.assert_close(stats.max_logits(), plain.max_logits(), rtol=2**-20, atol=0)

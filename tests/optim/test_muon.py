@@ -211,7 +211,7 @@ def test_newton_schulz_rejects_bad_input():
         zeropower_via_newtonschulz5(torch.randn(4, 4), steps=-1)
 
 
-# --- the shared update rule (Muon and ZeroMuonClip) ------------------------------------------------
+# --- the shared update rule (Muon and DistributedMuon) ---------------------------------------------
 
 
 @pytest.mark.parametrize("nesterov", [True, False])

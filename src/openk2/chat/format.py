@@ -192,7 +192,9 @@ class ChatFormat:
         # Malformed calls stay (a client sees what the model tried); their parser error is not OpenAI's shape.
         calls = [{k: v for k, v in c.to_openai().items() if k != "error"} for c in parsed.tool_calls]
         content = parsed.content if parsed.content or not (calls or reasoning) else None
-        return AssistantMessage(content, calls, "tool_calls" if calls else result.finish_reason, reasoning)
+        # A reply cut by max_tokens stays "length" even when it holds calls (their arguments may be cut too).
+        reason = "tool_calls" if calls and result.finish_reason != "length" else result.finish_reason
+        return AssistantMessage(content, calls, reason, reasoning)
 
     def stream_parser(self, tools: Sequence[dict] | None = None) -> ToolParser:
         """A fresh incremental tool-call parser of this format, for a request declaring `tools`."""

@@ -57,6 +57,30 @@ def tighten(schema: Any, max_string_length: int | None = None) -> Any:
     return out
 
 
+# Validation keywords a grammar cannot express (llguidance rejects a schema using them). Generation drops them
+# rather than the whole schema: the rest still holds, and a client validating the full schema rarely fails.
+UNENFORCEABLE_KEYWORDS = ("uniqueItems",)
+
+
+def without_keywords(schema: Any, keywords: Sequence[str] = UNENFORCEABLE_KEYWORDS) -> Any:
+    """A copy of a JSON schema without `keywords` anywhere in it (property names are names, not keywords)."""
+    if isinstance(schema, list):
+        return [without_keywords(s, keywords) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in keywords:
+            continue
+        if key in ("enum", "const", "default", "examples"):
+            out[key] = value
+        elif key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+            out[key] = {name: without_keywords(sub, keywords) for name, sub in value.items()}
+        else:
+            out[key] = without_keywords(value, keywords)
+    return out
+
+
 def tool_schema(tool: dict) -> dict:
     """A declared tool's argument schema (an object schema when it declares none)."""
     params = tool.get("function", {}).get("parameters")

@@ -181,12 +181,13 @@ def normalize_call_ids(messages: list[dict]) -> tuple[dict[int, list[str]], dict
     return call_ids, result_ids
 
 
-def parse_assistant(text: str, tool_parser: str = "kimi_k2") -> tuple[str, list[dict]]:
+def parse_assistant(text: str, tool_parser: str = "kimi_k2",
+                    tools: Sequence[dict] | None = None) -> tuple[str, list[dict]]:
     """Model output (after the generation prompt) -> content and OpenAI-shaped tool calls.
 
     Never raises on malformed output: a call whose arguments are not a JSON object is returned with an
-    extra "error" key (its "arguments" hold the raw text); a call whose id names no function is dropped
-    (no declared tools here to resolve it from; see `tool_parsers.kimi_k2`).
+    extra "error" key (its "arguments" hold the raw text); a call whose id names no function is resolved from
+    the declared `tools` when it can be, else dropped (see `tool_parsers.kimi_k2`).
     """
-    result = get_tool_parser(tool_parser)().parse(text)
+    result = get_tool_parser(tool_parser)(tools).parse(text)
     return result.content, [call.to_openai() for call in result.tool_calls]

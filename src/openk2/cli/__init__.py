@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "params": "parameter counts of a preset or HF config",
     "plan": "per-rank memory of a parallel run config, from the model built on the meta device",
     "tokenizer": "train a byte-level BPE tokenizer with K2's special tokens",
+    "data": "pre-tokenise a run's corpus into memory-mapped token shards: `data tokenize --config FILE`",
     "pretrain": "pre-train with MuonClip on the shipped corpus (configs/tiny.toml)",
     "export": "HF safetensors from a training checkpoint's DCP shards (streamed, any parallel layout)",
     "sft": "supervised fine-tuning on chat/tool-use conversations (configs/sft-tiny.toml)",

@@ -36,7 +36,8 @@ class CorpusConfig:
     val_fraction: float = 0.02  # share of each source's documents held out for validation
     seed: int = 0
     doc_chars: int = 8192  # longer texts are cut at blank lines into documents of at most this size
-    cache_dir: str | None = None  # optional on-disk token cache
+    cache_dir: str | None = None  # optional on-disk token cache (the whole corpus in RAM while training)
+    shard_dir: str | None = None  # stream memory-mapped token shards from here (written there when missing)
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -149,12 +150,14 @@ def split_documents(docs: list[str], val_fraction: float, seed: int, name: str) 
 
 def corpus_documents(cfg: CorpusConfig) -> dict[str, dict[str, list[str]]]:
     """Deduplicated documents of each source with weight > 0: {name: {"train": [...], "val": [...]}}."""
-    out = {}
-    for src in (s for s in cfg.sources if s.weight > 0):
-        docs = [c for d in read_documents(src, cfg.seed) for c in chunk_text(d, cfg.doc_chars)]
-        docs = list(dict.fromkeys(docs))  # drop exact duplicates so no text sits in both splits
-        out[src.name] = split_documents(docs, cfg.val_fraction, cfg.seed, src.name)
-    return out
+    return {src.name: source_documents(cfg, src) for src in cfg.sources if src.weight > 0}
+
+
+def source_documents(cfg: CorpusConfig, src: SourceConfig) -> dict[str, list[str]]:
+    """One source's deduplicated documents, split: {"train": [...], "val": [...]}."""
+    docs = [c for d in read_documents(src, cfg.seed) for c in chunk_text(d, cfg.doc_chars)]
+    docs = list(dict.fromkeys(docs))  # drop exact duplicates so no text sits in both splits
+    return split_documents(docs, cfg.val_fraction, cfg.seed, src.name)
 
 
 def tokenizer_training_texts(cfg: CorpusConfig, max_chars: int) -> list[str]:
@@ -195,6 +198,22 @@ class TokenizedDocs:
         """Tokens of document i."""
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
+    def length(self, i: int) -> int:
+        """Number of tokens of document i."""
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """How often each token id occurs over all documents: int64 [vocab_size]."""
+        return np.bincount(self.tokens, minlength=vocab_size).astype(np.int64)
+
+    def first_token_counts(self, vocab_size: int) -> np.ndarray:
+        """How often each token id is a non-empty document's first token: int64 [vocab_size]."""
+        starts = self.offsets[:-1][np.diff(self.offsets) > 0]
+        return np.bincount(self.tokens[starts], minlength=vocab_size).astype(np.int64)
+
+    def release(self) -> None:
+        """Nothing to release: the tokens live in RAM (memory-mapped shards drop their pages here)."""
+
     @property
     def num_tokens(self) -> int:
         """Total tokens over all documents (EOS not included)."""
@@ -216,7 +235,7 @@ _MEMO_SIZE = 4
 def tokenize_corpus(cfg: CorpusConfig, tokenizer: K2Tokenizer) -> TokenizedCorpus:
     """Tokenise the corpus, memoised in memory and, with `cfg.cache_dir`, on disk."""
     # Weights, seq_len and cache_dir do not change the tokens, so they stay out of the memo key.
-    text_cfg = {k: v for k, v in cfg.to_dict().items() if k not in ("seq_len", "cache_dir")}
+    text_cfg = {k: v for k, v in cfg.to_dict().items() if k not in ("seq_len", "cache_dir", "shard_dir")}
     text_cfg["sources"] = [
         {k: v for k, v in s.items() if k != "weight"} for s in text_cfg["sources"] if s["weight"] > 0
     ]

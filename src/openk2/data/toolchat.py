@@ -19,6 +19,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from openk2.chat.tool_parsers.kimi_k2 import format_call_id
+
 TOOLS: dict[str, dict] = {
     "get_weather": {
         "type": "function",
@@ -194,12 +196,14 @@ def _declared_tools(rng: random.Random, needed: str | None) -> list[dict]:
     return [TOOLS[name] for name in names]
 
 
-def _tool_conversation(rng: random.Random, pool: int, index: int) -> dict:
+def _tool_conversation(rng: random.Random, pool: int) -> dict:
     task = TASKS[rng.choice(list(TASKS))](rng, pool)
     messages: list[dict] = []
     if rng.random() < 0.3:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
-    call_id = f"call_{index}"
+    # K2's own id form: the chat template renders ids verbatim, and `functions.NAME:IDX` is what K2 was trained
+    # on (the only place the called function's name reaches the model in tool results).
+    call_id = format_call_id(task.tool, 0)
     messages += [
         {"role": "user", "content": task.prompt},
         {"role": "assistant", "content": rng.choice(PREAMBLES), "tool_calls": [
@@ -229,7 +233,7 @@ def generate(n: int, seed: int = 0, plain_fraction: float = 0.2) -> list[dict]:
     if not 0 <= plain_fraction <= 1:
         raise ValueError(f"plain_fraction must lie in [0, 1], got {plain_fraction}")
     rng = random.Random(f"toolchat-train-{seed}")
-    return [_plain_conversation(rng) if rng.random() < plain_fraction else _tool_conversation(rng, 0, i)
+    return [_plain_conversation(rng) if rng.random() < plain_fraction else _tool_conversation(rng, 0)
             for i in range(n)]
 
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from openk2.data.corpus import TokenizedDocs
 from openk2.data.loader import PackedLoader
+from openk2.data.shard_docs import ShardDocs
 
 
 def unigram_baseline(
@@ -41,12 +42,11 @@ def _smoothed(counts: np.ndarray, alpha: float) -> np.ndarray:
     return counts / counts.sum()
 
 
-def _targets(docs: TokenizedDocs, eos_id: int) -> np.ndarray:
+def _target_counts(docs: TokenizedDocs | ShardDocs, vocab: int, eos_id: int) -> np.ndarray:
     # Every token a packed row trains on: all but each document's first token, plus one EOS per document.
-    keep = np.ones(docs.num_tokens, dtype=bool)
-    starts = docs.offsets[:-1][np.diff(docs.offsets) > 0]
-    keep[starts] = False
-    return np.concatenate([docs.tokens[keep].astype(np.int64), np.full(len(docs), eos_id, dtype=np.int64)])
+    counts = docs.token_counts(vocab) - docs.first_token_counts(vocab)
+    counts[eos_id] += len(docs)
+    return counts
 
 
 def _loader_baseline(loader: PackedLoader, alpha: float) -> float:
@@ -58,12 +58,12 @@ def _loader_baseline(loader: PackedLoader, alpha: float) -> float:
     for name in live:
         train = loader.corpus.docs[name]["train"]
         if len(train):
-            counts = np.bincount(train.tokens, minlength=vocab)
+            counts = train.token_counts(vocab)
             counts[eos] += len(train)
             probs += weights[name] / total_w * _smoothed(counts, alpha)
-    scored = [(weights[n], _targets(loader.corpus.docs[n]["val"], eos)) for n in live]
-    scored = [(w, t) for w, t in scored if len(t)]
+    scored = [(weights[n], _target_counts(loader.corpus.docs[n]["val"], vocab, eos)) for n in live]
+    scored = [(w, c) for w, c in scored if c.sum()]
     if not scored or total_w == 0:
         raise ValueError("the unigram baseline needs training and validation documents (val_fraction > 0)")
     val_w = sum(w for w, _ in scored)
-    return float(sum(w / val_w * -np.log(probs[t]).mean() for w, t in scored))
+    return float(sum(w / val_w * -(c * np.log(probs)).sum() / c.sum() for w, c in scored))

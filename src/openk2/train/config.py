@@ -35,6 +35,7 @@ class OptimSection:
     lr: float = 2e-3  # peak learning rate (shared by Muon and AdamW, as in the report)
     weight_decay: float = 0.1
     qk_clip_tau: float = 100.0  # <= 0 turns QK-Clip off (vanilla Muon); max logits are still logged
+    max_logit_every: int = 1  # with QK-Clip off: run the max-logit probe every N steps (0: never); on: every step
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int = 5
@@ -44,8 +45,8 @@ class OptimSection:
     bias_update_rate: float | None = None  # aux-loss-free balancing rate; None: the model config's
 
     def muonclip_kwargs(self) -> dict[str, Any]:
-        """The keywords `MuonClip` and the parallel trainer's `ZeroMuonClip` both take, read from this table
-        (one mapping, so a new optimizer option reaches both)."""
+        """The keywords `MuonClip` and the parallel trainer's `DistributedMuonClip` both take, read from this
+        table (one mapping, so a new optimizer option reaches both)."""
         import torch
 
         return {"lr": self.lr, "weight_decay": self.weight_decay,
@@ -58,6 +59,8 @@ class OptimSection:
             raise ValueError(f"optim.lr must be positive, got {self.lr}")
         if self.optimizer not in ("muon", "adamw"):
             raise ValueError(f"optim.optimizer must be muon or adamw, got {self.optimizer!r}")
+        if self.max_logit_every < 0:
+            raise ValueError(f"optim.max_logit_every must be >= 0 (0: never probe), got {self.max_logit_every}")
         if self.ns_dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError(f"optim.ns_dtype must be bfloat16, float16 or float32, got {self.ns_dtype!r}")
 

@@ -8,9 +8,10 @@ Names (every tensor at its full, single-process shape):
   optim/step/<name>         AdamW step count (0-d)
 
 One process holds whole tensors; a parallel rank holds Blocks: its expert rows (`row_shards`: name ->
-(first row, full rows)) and, for the ZeRO-1 optimizer, the flat range of each parameter in its slice. Optimizer
-state is flattened because a ZeRO slice is a range of the parameters laid end to end, which is a rectangle
-only in 1-D. Saving reads views of the live state; loading fills fresh buffers, then `install()` puts them in.
+(first row, full rows)) and, for the distributed optimizer, the momentum of the Muon matrices (or expert rows)
+it owns and the flat DTensor shard of each AdamW parameter's moments. Optimizer state is flattened so that
+every one of these pieces is a rectangle (a range) of one 1-D tensor. Saving reads views of the live state;
+loading fills fresh buffers (MuonClip) or the live ones in place (DistributedMuonClip), then `install()`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from openk2.optim.muonclip import MuonClip
 from openk2.train.dcp import Block
-from openk2.train.parallel.zero import ZeroMuonClip
+from openk2.train.parallel.zero import DistributedMuonClip
 
 RowShards = dict[str, tuple[int, int]]  # name -> (first row this rank holds, rows of the full tensor)
 Entries = dict[str, torch.Tensor | Block]
@@ -57,12 +58,12 @@ def _whole(name: str, flat: torch.Tensor, p: torch.Tensor, row_shards: RowShards
     return flat if (offset, size) == (0, flat.numel()) else Block(flat, (offset,), (size,))
 
 
-def optimizer_entries(optimizer: MuonClip | ZeroMuonClip, named_params: list[tuple[str, nn.Parameter]],
+def optimizer_entries(optimizer: MuonClip | DistributedMuonClip, named_params: list[tuple[str, nn.Parameter]],
                       row_shards: RowShards | None = None, fresh: bool = False) -> tuple[Entries, Callable[[], None]]:
     """The optimizer's `optim/...` entries and an `install()` that puts loaded values in (a no-op for saving).
 
     fresh=False: views of the live state, for saving. fresh=True: buffers to load into, then call install()."""
-    if isinstance(optimizer, ZeroMuonClip):
+    if isinstance(optimizer, DistributedMuonClip):
         return _zero_entries(optimizer, named_params, row_shards, fresh)
     return _muonclip_entries(optimizer, named_params, row_shards, fresh)
 
@@ -112,36 +113,28 @@ def _muonclip_entries(opt: MuonClip, named_params, row_shards, fresh: bool):
     return entries, (install if fresh else lambda: None)
 
 
-def _zero_entries(opt: ZeroMuonClip, named_params, row_shards, fresh: bool):
-    name_of = {id(p): name for name, p in named_params}
+def _zero_entries(opt: DistributedMuonClip, named_params, row_shards, fresh: bool):
+    """Views of the live sharded state (loaded in place, so install() has nothing to do): each owned Muon unit's
+    momentum, each AdamW shard's moments as 1-D Blocks of the flattened full parameter; `fresh` changes nothing."""
     entries: Entries = {}
-    adam_fresh: dict[nn.Parameter, dict] = {}
-    for b in opt.buckets:
-        if b.kind == "muon":
-            buffers = {MOMENTUM: opt.momentum_buffers[b.name]}  # loaded in place: no install needed
-        else:
-            slice_param = opt.adam_slices[b.name]
-            live = opt.adamw.state.get(slice_param, {})
-            buffers = {prefix: torch.zeros(b.shard.size) if fresh or key not in live else live[key]
-                       for key, prefix in (("exp_avg", EXP_AVG), ("exp_avg_sq", EXP_AVG_SQ))}
-            step = torch.zeros(()) if fresh else _step_tensor(live)
-            adam_fresh[slice_param] = {"step": step, "exp_avg": buffers[EXP_AVG], "exp_avg_sq": buffers[EXP_AVG_SQ]}
-        for piece in b.shard.pieces:
-            p = b.shard.params[piece.index]
-            name = name_of[id(p)]
+    for where, muon in opt.muon.items():
+        names = opt.names[where]["muon"]
+        for unit, buffer in muon.buffers.items():
+            name, p = names[unit.index], muon.params[unit.index]
             offset, size = _flat_extent(name, p, row_shards)
-            n = piece.stop - piece.start
-            for prefix, buffer in buffers.items():
-                view = buffer.detach()[piece.shard_offset:piece.shard_offset + n]
-                entries[prefix + name] = Block(view, (offset + piece.start,), (size,))
-            if b.kind == "adamw":
-                entries[STEP + name] = adam_fresh[slice_param]["step"]
-
-    def install() -> None:
-        for b in opt.buckets:  # every piece of a bucket was saved with the same count: take the first one's
-            if b.kind == "adamw" and b.shard.pieces:
-                first = name_of[id(b.shard.params[b.shard.pieces[0].index])]
-                adam_fresh[opt.adam_slices[b.name]]["step"] = entries[STEP + first]
-        if opt.adamw is not None:
-            _adamw_install(opt.adamw, adam_fresh)()
-    return entries, (install if fresh else lambda: None)
+            first = unit.start * (p.numel() // p.shape[0]) if unit.is_rows else 0
+            flat = buffer.view(-1)
+            entries[MOMENTUM + name] = (flat if (offset + first, flat.numel()) == (0, size)
+                                        else Block(flat, (offset + first,), (size,)))
+        adamw = opt.adamw[where]
+        for name, p, m, (start, stop) in zip(opt.names[where]["adamw"], adamw.params, adamw.masters, adamw.ranges,
+                                             strict=True):
+            state = adamw.adamw.state[m]
+            offset, size = _flat_extent(name, p, row_shards)
+            if stop > start:
+                for key, prefix in (("exp_avg", EXP_AVG), ("exp_avg_sq", EXP_AVG_SQ)):
+                    local = adamw.local(state[key])
+                    entries[prefix + name] = (local if (offset + start, local.numel()) == (0, size)
+                                              else Block(local, (offset + start,), (size,)))
+            entries[STEP + name] = state["step"]
+    return entries, lambda: None

@@ -357,15 +357,16 @@ def _checkpointed_layer(policy: Callable | None, forward: Callable) -> Callable:
 
         def replayable(*a, **kw):
             # The caller's collector goes to the forward only, so counts, aux losses and max logits are taken
-            # once. Backward's replay gets an empty collector with the same settings, dropped afterwards: it
-            # must run exactly the forward's matmuls (selective recompute matches cached matmul outputs by their
-            # order, and the max-logit probe's QK^T counts); the elementwise ops of accumulating into a
-            # collector that already holds records are never cached, so they need not repeat.
+            # once. Backward's replay gets an empty collector marked `replay`, dropped afterwards: the layers
+            # run the forward's kernels again (the checkpoint checks that the replay saves the same tensors, and
+            # selective recompute matches cached outputs by their order) but skip a probe that is not a free
+            # by-product of the attention; its no_grad QK^T is never cached (see _selective_policy), so leaving
+            # it out shifts nothing, and neither do the elementwise ops of accumulating into a collector.
             nonlocal calls
             calls += 1
             if calls == 1 or stats is None:
                 return forward(*a, stats=stats, **kw)
-            return forward(*a, stats=stats.empty_like(), **kw)
+            return forward(*a, stats=stats.empty_like(replay=True), **kw)
 
         extra = {"context_fn": context_fn} if context_fn else {}
         return checkpoint(replayable, *args, use_reentrant=False, **extra, **kwargs)

@@ -1,5 +1,6 @@
 """Run metrics: one JSON line per logged step (`metrics.jsonl`), optional TensorBoard, and the run's plots
-(loss curve, per-layer max attention logit as in the K2 report's Figures 2-3, expert-load heatmap)."""
+(loss curve, per-layer max attention logit as in the K2 report's Figures 2-3, the share of heads QK-Clip clipped
+and the heads ever clipped (Figure 3 / Appendix D), expert-load heatmap)."""
 
 from __future__ import annotations
 
@@ -82,8 +83,46 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[An
     return [s for s, _ in rows], [v for _, v in rows]
 
 
+def clip_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A run's QK-Clip activity from its logged records (their `window_*` fields cover every step): heads ever
+    clipped, steps with any clipping, first and last clipped step, the run's last step; None if not logged."""
+    windows = [r for r in records if "window_clipped_heads" in r]
+    if not windows:
+        return None
+    heads = {tuple(h) for r in windows for h in r["window_clipped_heads"]}
+    steps = sorted({s for r in windows for s in r["window_clip_steps"]})
+    return {"heads_ever_clipped": len(heads), "clip_steps": len(steps), "first_clip_step": steps[0] if steps else None,
+            "last_clip_step": steps[-1] if steps else None, "last_step": max(r["step"] for r in records)}
+
+
+def _plot_clipping(records: list[dict[str, Any]], path: Path, plt) -> Path | None:
+    """qk_clip.png: the share of heads clipped per logged step, and the heads ever clipped so far."""
+    steps, share = _series(records, "clipped_share")
+    summary = clip_summary(records)
+    if not steps or summary is None:
+        return None
+    ever, seen = [], set()
+    wsteps = [r["step"] for r in records if "window_clipped_heads" in r]
+    for r in records:
+        if "window_clipped_heads" in r:
+            seen.update(tuple(h) for h in r["window_clipped_heads"])
+            ever.append(len(seen))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(steps, [100 * x for x in share], lw=1)
+    ax1.set(xlabel="step", ylabel="heads clipped (%)", title="Share of heads clipped (logged steps)")
+    ax2.step(wsteps, ever, where="post", lw=1)
+    last = summary["last_clip_step"]
+    if last is not None:
+        ax2.axvline(last, color="red", ls="--", label=f"last clip at step {last} "
+                    f"({last / summary['last_step']:.0%} of the run)")
+        ax2.legend(fontsize=8)
+    ax2.set(xlabel="step", ylabel="heads", title=f"Heads ever clipped ({summary['heads_ever_clipped']})")
+    return _save(fig, path)
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
-    """Write loss.png, max_logit.png and expert_load.png into the run directory; returns the paths written."""
+    """Write loss.png, max_logit.png, qk_clip.png and expert_load.png into the run directory (those whose
+    metrics were logged); returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,6 +158,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         ax.set(xlabel="step", ylabel="max attention logit", title="Max logit per layer (max over heads)")
         ax.legend(fontsize=7, ncol=2)
         written.append(_save(fig, run_dir / "max_logit.png"))
+
+    clip_png = _plot_clipping(records, run_dir / "qk_clip.png", plt)
+    if clip_png is not None:
+        written.append(clip_png)
 
     steps, loads = _series(records, "expert_load")
     if steps:

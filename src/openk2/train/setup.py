@@ -1,4 +1,4 @@
-"""Run set-up decisions: device, precision, and the tokenizer a run uses."""
+"""Run set-up decisions: device, precision, the tokenizer a run uses and its token shards."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from openk2.data.corpus import tokenizer_training_texts
+from openk2.data.shards import write_shards
 from openk2.data.tokenizer import K2Tokenizer, train_tokenizer
 from openk2.train.config import RunConfig
 
@@ -58,3 +59,15 @@ def prepare_tokenizer(cfg: RunConfig, out_dir: Path, resume_from: Path | None) -
     if tok.vocab_size != cfg.model.vocab_size:
         raise ValueError(f"tokenizer has {tok.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}")
     return tok
+
+
+def prepare_shards(cfg: RunConfig, tokenizer: K2Tokenizer) -> None:
+    """Write the run's token shards (data.shard_dir) for sources that lack them; nothing when unset or done."""
+    if cfg.data.shard_dir is None:
+        return
+    start = time.perf_counter()
+    reports = write_shards(cfg.data, tokenizer)
+    written = sum(r.written for r in reports)
+    if written:
+        print(f"wrote {written} token shards under {cfg.data.shard_dir} in {time.perf_counter() - start:.1f}s",
+              file=sys.stderr)

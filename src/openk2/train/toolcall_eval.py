@@ -59,7 +59,7 @@ def call_problem(call: dict, tools: Sequence[dict]) -> str | None:
 
 def score_response(text: str, tools: Sequence[dict], expected: dict | None = None) -> dict[str, bool]:
     """The score flags of one model output (the text after the generation prompt)."""
-    _, calls = parse_assistant(text)
+    _, calls = parse_assistant(text, tools=tools)
     well_formed = bool(calls) and all(call_problem(c, tools) is None for c in calls)
     right_tool = well_formed and expected is not None and calls[0]["function"]["name"] == expected["name"]
     exact = right_tool and json.loads(calls[0]["function"]["arguments"]) == expected["arguments"]

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from openk2.data.loader import PackedLoader
 from openk2.data.unigram import unigram_baseline
 from openk2.model import ForwardStats, K2ForCausalLM
-from openk2.optim.muonclip import MuonClip
+from openk2.optim.muonclip import ClipWindow, MuonClip, max_logits_due
 from openk2.optim.schedule import wsd_lr
 from openk2.rng import capture_rng_state, restore_rng_state, seed_everything
 from openk2.train.checkpoint import CheckpointManager
@@ -80,6 +80,7 @@ class Trainer:
         self.train_loader = self._build_train_loader()
         self.step = 0
         self.tokens_seen = 0
+        self.clip_window = ClipWindow()  # QK-Clip activity since the last logged record
         self.loss_ema: float | None = None
         if resume_from is not None:
             self._load_checkpoint(resume_from)
@@ -117,7 +118,8 @@ class Trainer:
                                   mfu=tokens_per_s * self.flops_per_token / self.peak_flops)
                     window_loss, window_tokens, window_start = [], 0, time.perf_counter()
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
-                                    max_logit=f"{record['max_logit']:.1f}")
+                                    max_logit=f"{record.get('max_logit', float('nan')):.1f}")
+                    record.update(self.clip_window.pop())
                     if self.step % tc.eval_every == 0 or self.step == stop_at:
                         val_loss = self.evaluate()
                         record.update(val_loss=val_loss, unigram_val_loss=self.unigram)
@@ -154,7 +156,9 @@ class Trainer:
         lr = wsd_lr(self.step, self.schedule)
         self.optimizer.set_lr(lr)
         self.model.train()
-        stats = ForwardStats(self.model.config, track_max_logits=True)  # this step's record; MuonClip reads it
+        # This step's record; MuonClip reads it. The probe runs every step with QK-Clip on, else at the cadence.
+        probe = max_logits_due(self.step + 1, self.optimizer.tau, self.cfg.optim.max_logit_every)
+        stats = ForwardStats(self.model.config, track_max_logits=probe)
         loss, counts, tokens = self._forward_backward(stats)
         self.step += 1
         problem = self._bad_loss(loss)
@@ -169,6 +173,7 @@ class Trainer:
             print(f"warning: {message}", file=sys.stderr)
             return {"step": self.step, "skipped": problem, "loss": loss, "lr": lr}
         clip = self.optimizer.step(stats.max_logits())
+        self.clip_window.add(self.step, clip)
         self.optimizer.zero_grad()
         if counts is not None:
             self.model.update_router_biases(counts, self.cfg.optim.bias_update_rate)

@@ -2,7 +2,10 @@
 
 config.py   the `[parallel]` run-config section (dp, ep, pp, pp_virtual_stages, pp_schedule)
 mesh.py     process groups from init_device_mesh, rank coordinates
-zero.py     ZeRO-1 data parallelism with distributed Muon and QK-Clip (ZeroMuonClip)
+zero.py     distributed MuonClip (DistributedMuonClip): ZeRO-1 state, Newton-Schulz once per matrix, QK-Clip
+owners.py   which rank orthogonalises which Muon matrix (balanced by Newton-Schulz FLOPs)
+dist_muon.py  Muon over one replication group: gradients to owners, updates broadcast back
+sharded_adamw.py  ZeRO-1 AdamW on DTensor shards
 expert.py   expert parallelism: experts split over ep ranks, all-to-all dispatch/combine
 pipeline.py pipeline stages (with virtual stages) and the torch.distributed.pipelining schedule
 state.py    whole-model state gathered for saving, sliced for loading

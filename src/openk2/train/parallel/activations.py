@@ -44,7 +44,7 @@ class ActivationModel:
     config: ModelConfig
     memory: MemorySection
     act_bytes: int = 4  # 4: fp32 compute; 2: bf16 autocast (matmul outputs bf16, norms still fp32)
-    flash_attention: bool = False  # True on GPUs (no T x T probabilities kept); False: CPU math path
+    flash_attention: bool = False  # True: a fused kernel (model/attention_core.py, CPU and GPU); False: math
     seq_len: int = 1
     ep: int = 1
 
@@ -57,7 +57,10 @@ class ActivationModel:
         h, qk, v = c.num_attention_heads, c.qk_head_dim, c.v_head_dim
         q_path = self._norm(c.q_lora_rank) if c.q_lora_rank else 0
         kv = 4 * (c.kv_lora_rank + c.qk_rope_head_dim) + 4 + 2 * a * c.kv_lora_rank
-        core = (a * h * v + 4 * h) if self.flash_attention else a * h * self.seq_len
+        # Fused kernels see v zero-padded to the q/k head dim (model/attention_core.py): their saved v and output
+        # are that wide, plus the per-head log-sum-exp; the math path keeps the T x T probabilities instead.
+        wide = max(qk, v)
+        core = (a * h * wide + 4 * h + a * h * (wide - v)) if self.flash_attention else a * h * self.seq_len
         return q_path + kv + 2 * a * h * qk + a * h * v + core + a * h * v
 
     def _swiglu(self, width: int, rows: float = 1.0) -> float:
@@ -85,7 +88,8 @@ class ActivationModel:
         c, a = self.config, self.act_bytes
         h = c.num_attention_heads
         kept = 4 * c.hidden_size + a * (c.q_lora_rank or 0) + a * (c.kv_lora_rank + c.qk_rope_head_dim)
-        kept += (a * h * c.v_head_dim + 4 * h) if self.flash_attention else a * h * (self.seq_len + c.v_head_dim)
+        wide = max(c.qk_head_dim, c.v_head_dim)  # a fused kernel's output is as wide as its padded v
+        kept += (a * h * wide + 4 * h) if self.flash_attention else a * h * (self.seq_len + c.v_head_dim)
         kept += a * c.hidden_size  # o_proj output
         fp8 = self.memory.fp8_activations
         if moe:

@@ -7,8 +7,10 @@ buffers (the optimizer step's flat gathers, pipeline receive buffers, a recomput
 persistent states + the larger of the two phases (forward/backward vs optimizer step).
 
 Two state policies: "fp32" is what the trainer does today (fp32 weights replicated within their group, fp32
-gradients, ZeroMuonClip's state sharded: Muon momentum 4 B, AdamW moments + its flat slice 12 B per element);
-"bf16" is the report's (bf16 weights, fp32 gradients, an fp32 master copy and the optimizer state sharded).
+gradients, DistributedMuonClip's state split over the group: the fp32 momentum (4 B) of the Muon matrices a
+rank owns, counted with the trainer's own owner assignment for the busiest rank, and the AdamW DTensor shards:
+moments 8 B + fp32 master 4 B per element); "bf16" is the report's (bf16 weights, fp32 gradients, an fp32
+master copy of every weight sharded alike).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from openk2.train.config import RunConfig
 from openk2.train.parallel.activations import ActivationModel
 from openk2.train.parallel.build import full_name_of, meta_model_part
 from openk2.train.parallel.config import ParallelConfig
+from openk2.train.parallel.dist_muon import DEFAULT_BUCKET_NUMEL
 from openk2.train.parallel.mesh import ParallelMesh
+from openk2.train.parallel.owners import assign_owners
 from openk2.train.parallel.pipeline import PipelineModel, stage_layer_ranges, stages_of_rank
 
 STATE_POLICIES = {"fp32": {"param": 4, "grad": 4, "master": 0}, "bf16": {"param": 2, "grad": 4, "master": 4}}
@@ -66,6 +70,15 @@ def _shard(numel: int, group: int) -> int:
     return math.ceil(numel / group)
 
 
+def _owned_muon_numel(shapes: list[tuple[int, ...]], group: int, ns_steps: int) -> int:
+    """Elements of Muon matrices the busiest rank of a replication group owns (distributed MuonClip's owners)."""
+    owned = [0] * group
+    for unit in assign_owners(shapes, group, ns_steps):
+        shape = shapes[unit.index]
+        owned[unit.owner] += math.prod(shape[1:]) * (unit.stop - unit.start) if unit.is_rows else math.prod(shape)
+    return max(owned, default=0)
+
+
 def plan_rank(cfg: RunConfig, parallel: ParallelConfig, pp_rank: int, states: str = "fp32",
               device_type: str = "cuda") -> RankPlan:
     """The bytes of rank (pp_rank, 0, 0) (dp and ep ranks of one pipeline rank hold equal shares)."""
@@ -74,20 +87,24 @@ def plan_rank(cfg: RunConfig, parallel: ParallelConfig, pp_rank: int, states: st
     part, expert_names = meta_model_part(cfg.model, mesh)
     rename = full_name_of(part)
     groups = {"expert": parallel.dp, "dense": parallel.dp * parallel.ep}
-    buckets: dict[tuple[str, str], int] = defaultdict(int)
+    members: dict[tuple[str, str], list[tuple[int, ...]]] = defaultdict(list)
     for name, p in part.named_parameters():
         full = rename(name)
         kind = "muon" if cfg.optim.optimizer == "muon" and default_muon_filter(full, p) else "adamw"
-        buckets[("expert" if full in expert_names else "dense", kind)] += p.numel()
-    num = sum(buckets.values())
+        members[("expert" if full in expert_names else "dense", kind)].append(tuple(p.shape))
+    num = sum(math.prod(s) for shapes in members.values() for s in shapes)
     optimizer = master = step_buffers = 0
-    for (where, kind), numel in buckets.items():
-        slice_ = _shard(numel, groups[where])
-        optimizer += slice_ * (4 if kind == "muon" else 12)  # momentum | AdamW moments + the flat slice
-        master += slice_ * policy["master"]
-        # The step's transients for one bucket: the flat reduce-scatter input, the gathered full buffer and the
-        # Newton-Schulz copies (muon), plus the reduced gradient slice.
-        step_buffers = max(step_buffers, 4 * numel * (2 if kind == "muon" else 1) + 4 * slice_)
+    for where, size in groups.items():
+        owned = _owned_muon_numel(members[(where, "muon")], size, cfg.optim.ns_steps)
+        adam = sum(_shard(math.prod(s), size) for s in members[(where, "adamw")])  # DTensor Shard(0): rank 0's
+        optimizer += 4 * owned + 8 * adam  # fp32 momentum of the owned matrices | AdamW's two moment shards
+        master += 4 * adam + (4 * owned if policy["master"] else 0)  # fp32 master shards
+        # The step's transients: the owned reduced gradients and Newton-Schulz copies (batch, directions,
+        # result: 3 x 4 B), two buckets in flight, the AdamW gradient shards and one gathered parameter.
+        largest_adam = max((math.prod(s) for s in members[(where, "adamw")]), default=0)
+        group_muon = sum(math.prod(s) for s in members[(where, "muon")])
+        in_flight = 2 * 4 * min(DEFAULT_BUCKET_NUMEL, group_muon) if size > 1 else 0
+        step_buffers = max(step_buffers, 16 * owned + in_flight + 4 * adam + 4 * largest_adam)
     activations, pipeline_buffers, transient = _activation_bytes(cfg, parallel, part, pp_rank, device_type)
     persistent = num * (policy["param"] + policy["grad"]) + master + optimizer
     total = persistent + max(activations + pipeline_buffers + transient, step_buffers)

@@ -1,5 +1,5 @@
-"""The pre-training loop under torchrun: the single-device Trainer with a sharded model, ZeRO-1 MuonClip,
-a sharded loader and rank-aware checkpoints.
+"""The pre-training loop under torchrun: the single-device Trainer with a sharded model, distributed MuonClip
+(ZeRO-1 state), a rank-sharded loader and rank-aware checkpoints.
 
 Loss normalisation: every rank's loss is its token-summed cross-entropy divided by the number of target
 tokens in the whole global step (all micro-batches of all data ranks), and gradients are summed, never
@@ -31,31 +31,9 @@ from openk2.train.parallel.build import build_model_part
 from openk2.train.parallel.mesh import ParallelMesh, init_parallel
 from openk2.train.parallel.pipeline import PipelineModel, build_schedule, pipeline_forward
 from openk2.train.parallel.state import local_tensors
-from openk2.train.parallel.zero import ZeroMuonClip
-from openk2.train.setup import prepare_tokenizer, resolve_device
+from openk2.train.parallel.zero import DistributedMuonClip
+from openk2.train.setup import prepare_shards, prepare_tokenizer, resolve_device
 from openk2.train.trainer import Trainer
-
-
-class ShardedLoader:
-    """This data rank's rows of each global batch; every rank walks the same global stream, so the loader
-    position is one state for all ranks and a run can resume deterministically."""
-
-    def __init__(self, loader: PackedLoader, data_rank: int, num_data_ranks: int) -> None:
-        self.loader, self.data_rank, self.num_data_ranks = loader, data_rank, num_data_ranks
-
-    def __iter__(self) -> ShardedLoader:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        batch = next(self.loader)
-        rows = batch["input_ids"].shape[0] // self.num_data_ranks
-        return {k: v[self.data_rank * rows:(self.data_rank + 1) * rows] for k, v in batch.items()}
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
 
 
 class _NoMetrics:
@@ -84,7 +62,7 @@ class ParallelTrainer(Trainer):
         if self.is_main:  # train (or find) the tokenizer once, before the other ranks look for it
             run_dir.mkdir(parents=True, exist_ok=True)
             latest = CheckpointManager(run_dir / "checkpoints").latest() if resume else None
-            prepare_tokenizer(cfg, run_dir, latest)
+            prepare_shards(cfg, prepare_tokenizer(cfg, run_dir, latest))  # shards too, when configured
         self._barrier()
         super().__init__(cfg, out_dir, resume)
         # The logged tokens/s counts every data rank's tokens; MFU is per device, so the ceiling is the measured
@@ -106,22 +84,23 @@ class ParallelTrainer(Trainer):
         model, self.expert_names = build_model_part(self.cfg.model, self.mesh, self.device, int(seed))
         return model
 
-    def _build_optimizer(self) -> ZeroMuonClip:
+    def _build_optimizer(self) -> DistributedMuonClip:
         if isinstance(self.model, PipelineModel):
             named, attention = self.model.named_full_parameters(), self.model.attention
         else:
             named, attention = list(self.model.named_parameters()), dict(enumerate(self.model.attention_layers()))
-        return ZeroMuonClip(self.model, named, attention, **self.cfg.optim.muonclip_kwargs(),
-                            expert_names=self.expert_names, dense_group=self.mesh.group("data"),
-                            expert_group=self.mesh.group("dp"))
+        return DistributedMuonClip(self.model, named, attention, **self.cfg.optim.muonclip_kwargs(),
+                                   expert_names=self.expert_names, dense_group=self.mesh.group("data"),
+                                   expert_group=self.mesh.group("dp"))
 
-    def _build_train_loader(self) -> ShardedLoader:
-        rows = self.cfg.train.batch_size * self.mesh.num_data_ranks  # the global micro-batch
-        loader = PackedLoader(self.cfg.data, self.tokenizer, rows, split="train")
-        return ShardedLoader(loader, self.mesh.data_rank, self.mesh.num_data_ranks)
+    def _build_train_loader(self) -> PackedLoader:
+        # Each data rank gets (and reads) only its rows of the global micro-batch; the position is global.
+        rows = self.cfg.train.batch_size * self.mesh.num_data_ranks
+        return PackedLoader(self.cfg.data, self.tokenizer, rows, split="train",
+                            data_rank=self.mesh.data_rank, num_data_ranks=self.mesh.num_data_ranks)
 
     def _unigram_baseline(self) -> float:
-        return unigram_baseline(self.train_loader.loader)
+        return unigram_baseline(self.train_loader)
 
     def _open_metrics(self):
         return super()._open_metrics() if self.is_main else _NoMetrics()
@@ -202,9 +181,10 @@ class ParallelTrainer(Trainer):
         """Validation loss over the batches a single-device run scores, each data rank scoring its rows."""
         self.model.eval()
         rows = self.cfg.train.batch_size * self.mesh.num_data_ranks
-        val = PackedLoader(self.cfg.data, self.tokenizer, rows, split="val", loop=False)
+        val = PackedLoader(self.cfg.data, self.tokenizer, rows, split="val", loop=False,
+                           data_rank=self.mesh.data_rank, num_data_ranks=self.mesh.num_data_ranks)
         total, count = 0.0, 0
-        for i, batch in enumerate(ShardedLoader(val, self.mesh.data_rank, self.mesh.num_data_ranks)):
+        for i, batch in enumerate(val):
             if i == self.cfg.train.eval_batches:
                 break
             ids = batch["input_ids"].to(self.device)

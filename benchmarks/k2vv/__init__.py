@@ -1,0 +1,1 @@
+"""The conformance benchmark's request set, tools, scorer and server launcher (see bench_conformance.py)."""

@@ -1,0 +1,108 @@
+"""ZeRO-1 AdamW over one replication group with DTensor: fp32 master and moments sharded elementwise.
+
+Each parameter is flattened to 1-D; its fp32 master is a DTensor `Shard(0)` over the group's DeviceMesh
+(torch.chunk's rule: rank r holds elements [r c, (r + 1) c), c = ceil(numel / size)), so `torch.optim.AdamW`
+keeps moments of the same shards. DTensor does the collectives: the gradient goes Partial -> Shard(0) (a
+reduce-scatter, sum), the updated master Shard(0) -> Replicate (an all-gather, in the weights' dtype). AdamW is
+elementwise, so updating shards equals the single-process update. With one rank plain tensors are used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from openk2.optim.param_groups import ADAMW_BETAS, ADAMW_EPS
+
+
+def shard_range(numel: int, size: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of a 1-D tensor of `numel` elements on `rank` of `size` under DTensor's Shard(0)."""
+    chunk = -(-numel // size)
+    return min(numel, rank * chunk), min(numel, (rank + 1) * chunk)
+
+
+class ShardedAdamW:
+    """AdamW for `params` replicated over `mesh` (a 1-D DeviceMesh; None = not distributed)."""
+
+    def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh | None, *, lr: float,
+                 weight_decay: float) -> None:
+        self.params, self.mesh = params, mesh
+        self.size = mesh.size() if mesh is not None else 1
+        self.rank = mesh.get_local_rank() if mesh is not None else 0
+        self.ranges = [shard_range(p.numel(), self.size, self.rank) for p in params]
+        self.masters = [nn.Parameter(self._shard(p, r)) for p, r in zip(params, self.ranges, strict=True)]
+        self.adamw = torch.optim.AdamW(self.masters, lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS,
+                                       weight_decay=weight_decay) if params else None
+        for m in self.masters:  # state exists from the start, so checkpoints can load into it in place
+            self.adamw.state[m] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(m),
+                                   "exp_avg_sq": torch.zeros_like(m)}
+
+    def _shard(self, p: torch.Tensor, rng: tuple[int, int]) -> torch.Tensor:
+        local = p.detach().reshape(-1)[rng[0]:rng[1]].float().clone()
+        if self.mesh is None:
+            return local
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=(p.numel(),),
+                                  stride=(1,))
+
+    @staticmethod
+    def local(t: torch.Tensor) -> torch.Tensor:
+        """The local shard of a master, gradient or moment (itself when not a DTensor)."""
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def set_lr(self, lr: float) -> None:
+        if self.adamw is not None:
+            for group in self.adamw.param_groups:
+                group["lr"] = lr
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Each master gets this rank's shard of the group-summed gradient; frees every `p.grad`."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            g = torch.zeros_like(p) if p.grad is None else p.grad
+            flat = g.detach().reshape(-1).float()
+            if self.mesh is None:
+                m.grad = flat
+            else:
+                m.grad = DTensor.from_local(flat, self.mesh, [Partial()], run_check=False).redistribute(
+                    self.mesh, [Shard(0)])
+            p.grad = None
+
+    def grad_square_sum(self) -> torch.Tensor:
+        """Sum of squares of this rank's gradient shards (each element lives on one rank)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.params[0].device if self.params else "cpu")
+        for m in self.masters:
+            if m.grad is not None:
+                total += self.local(m.grad).square().sum()
+        return total
+
+    def scale_gradients(self, coef: float) -> None:
+        for m in self.masters:
+            if m.grad is not None:
+                self.local(m.grad).mul_(coef)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the shards, then the updated weights all-gathered into every replica."""
+        if self.adamw is None:
+            return
+        for p, m, (start, stop) in zip(self.params, self.masters, self.ranges, strict=True):
+            # QK-Clip (or a load) edits the replicated weights between steps: the master follows them.
+            self.local(m).copy_(p.detach().reshape(-1)[start:stop])
+        self.adamw.step()
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.grad = None
+            full = m.detach().to(p.dtype)
+            if isinstance(full, DTensor):
+                full = full.redistribute(self.mesh, [Replicate()]).to_local()
+            p.view(-1).copy_(full)
+
+    def state_bytes(self) -> int:
+        """Bytes of the master shards and AdamW moments this rank holds."""
+        total = 0
+        for m in self.masters:
+            for t in (m, self.adamw.state[m]["exp_avg"], self.adamw.state[m]["exp_avg_sq"]):
+                local = self.local(t)
+                total += local.numel() * local.element_size()
+        return total
