@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 from openk2.chat import ChatFormat, ChatFormatError, render
+from openk2.chat import registry as lazy_registry
 from openk2.chat import tool_parsers as registry
 from openk2.chat.tool_parsers.kimi_k2 import ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, IM_END, SECTION_BEGIN, SECTION_END
 from openk2.data.tokenizer import train_tokenizer
@@ -125,7 +126,7 @@ def test_the_registry_decides_the_parser(tokenizer, monkeypatch):
 
     module = type("M", (), {"Shouty": Shouty})
     monkeypatch.setitem(registry._REGISTRY, "shouty", ("fake_module", "Shouty"))
-    monkeypatch.setattr(registry.importlib, "import_module", lambda name: module)
+    monkeypatch.setattr(lazy_registry.importlib, "import_module", lambda name: module)
     fmt = ChatFormat(tokenizer, "shouty")
     ids = tokenizer.encode("it is sunny")
     assert fmt.finish(Result(ids, [0.0] * len(ids), finish_reason="length")).content == "IT IS SUNNY"

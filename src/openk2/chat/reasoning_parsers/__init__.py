@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-
 from openk2.chat.reasoning_parsers.base import ReasoningDelta, ReasoningParser
+from openk2.chat.registry import LazyRegistry
 
 __all__ = ["ReasoningDelta", "ReasoningParser", "get_reasoning_parser", "list_reasoning_parsers"]
 
@@ -14,17 +13,14 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 }
 
 
+_PARSERS = LazyRegistry("reasoning parser", ReasoningParser, _REGISTRY)
+
+
 def list_reasoning_parsers() -> list[str]:
     """Names of the registered reasoning parsers, sorted."""
-    return sorted(_REGISTRY)
+    return _PARSERS.names()
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     """The reasoning parser class registered under `name`; ValueError if there is none."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown reasoning parser {name!r}; registered: {', '.join(list_reasoning_parsers())}")
-    module_name, class_name = _REGISTRY[name]
-    cls = getattr(importlib.import_module(module_name), class_name)
-    if not (isinstance(cls, type) and issubclass(cls, ReasoningParser)):
-        raise TypeError(f"{module_name}.{class_name} is not a ReasoningParser")
-    return cls
+    return _PARSERS.get(name)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-
+from openk2.chat.registry import LazyRegistry
 from openk2.chat.tool_parsers.base import DeltaMessage, ParseResult, StreamAccumulator, ToolCall, ToolParser
 
 __all__ = [
@@ -22,17 +21,14 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 }
 
 
+_PARSERS = LazyRegistry("tool parser", ToolParser, _REGISTRY)
+
+
 def list_tool_parsers() -> list[str]:
     """Names of the registered parsers, sorted."""
-    return sorted(_REGISTRY)
+    return _PARSERS.names()
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered under `name`; ValueError if there is none."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown tool parser {name!r}; registered: {', '.join(list_tool_parsers())}")
-    module_name, class_name = _REGISTRY[name]
-    cls = getattr(importlib.import_module(module_name), class_name)
-    if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
-        raise TypeError(f"{module_name}.{class_name} is not a ToolParser")
-    return cls
+    return _PARSERS.get(name)
