@@ -32,17 +32,14 @@ CALL_TEXT = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory) -> Path:
-    """A tiny random K2 checkpoint with a locally trained tokenizer (K2 special tokens included)."""
+def write_tiny_checkpoint(out: Path, texts: list[str]) -> Path:
+    """A tiny random K2 checkpoint at `out` with a tokenizer trained on math documents plus `texts`."""
     from openk2.config import ModelConfig
     from openk2.data.mathgen import math_documents
     from openk2.data.tokenizer import train_tokenizer
     from openk2.model import K2ForCausalLM
 
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-k2"
-    texts = list(math_documents(seed=0, count=200)) + ["Hello, how are you? The weather in Paris is sunny."] * 20
-    tok = train_tokenizer(texts, vocab_size=768)
+    tok = train_tokenizer(list(math_documents(seed=0, count=200)) + texts * 20, vocab_size=768)
     cfg = ModelConfig.preset("tiny").replace(
         vocab_size=768, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
@@ -51,6 +48,13 @@ def checkpoint(tmp_path_factory) -> Path:
     K2ForCausalLM(cfg).save_pretrained(out)
     tok.save(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny random K2 checkpoint with a locally trained tokenizer (K2 special tokens included)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-k2",
+                                 ["Hello, how are you? The weather in Paris is sunny."])
 
 
 def _free_port() -> int:

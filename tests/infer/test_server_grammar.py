@@ -16,7 +16,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Beijing", "Lima"]},
@@ -43,21 +42,10 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from openk2.config import ModelConfig
-    from openk2.data.mathgen import math_documents
-    from openk2.data.tokenizer import train_tokenizer
-    from openk2.model import K2ForCausalLM
+    from tests.infer.test_server import write_tiny_checkpoint
 
-    ckpt = tmp_path_factory.mktemp("ckpt") / "tiny-grammar"
-    texts = list(math_documents(seed=0, count=200)) + ['{"city": "Paris", "days": 3} weather booking'] * 20
-    tok = train_tokenizer(texts, vocab_size=768)
-    cfg = ModelConfig.preset("tiny").replace(
-        vocab_size=768, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=8, n_routed_experts=8)
-    torch.manual_seed(0)
-    K2ForCausalLM(cfg).save_pretrained(ckpt)
-    tok.save(ckpt)
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-grammar",
+                                 ['{"city": "Paris", "days": 3} weather booking'])
     port = _free_port()
     code = ("import sys; from openk2.cli.serve import serve_main; "
             f"sys.exit(serve_main(['--checkpoint', {str(ckpt)!r}, '--port', '{port}', '--max-seq-len', '1536', "

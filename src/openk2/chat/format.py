@@ -31,6 +31,12 @@ from openk2.chat.template import IM_END, TEMPLATES, render_pieces
 from openk2.chat.tool_parsers import DeltaMessage, ToolParser, get_tool_parser
 
 
+def reply_finish_reason(called: bool, engine_reason: str) -> str:
+    """OpenAI's finish_reason: `tool_calls` when the reply called, except that a reply cut by max_tokens stays
+    `length` (its last call's arguments may be cut too, and a client must be able to tell)."""
+    return "tool_calls" if called and engine_reason != "length" else engine_reason
+
+
 class ChatFormatError(ValueError):
     """A request the format cannot render; `param` names the offending request field (OpenAI's error `param`)."""
 
@@ -192,9 +198,7 @@ class ChatFormat:
         # Malformed calls stay (a client sees what the model tried); their parser error is not OpenAI's shape.
         calls = [{k: v for k, v in c.to_openai().items() if k != "error"} for c in parsed.tool_calls]
         content = parsed.content if parsed.content or not (calls or reasoning) else None
-        # A reply cut by max_tokens stays "length" even when it holds calls (their arguments may be cut too).
-        reason = "tool_calls" if calls and result.finish_reason != "length" else result.finish_reason
-        return AssistantMessage(content, calls, reason, reasoning)
+        return AssistantMessage(content, calls, reply_finish_reason(bool(calls), result.finish_reason), reasoning)
 
     def stream_parser(self, tools: Sequence[dict] | None = None) -> ToolParser:
         """A fresh incremental tool-call parser of this format, for a request declaring `tools`."""

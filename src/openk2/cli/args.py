@@ -25,3 +25,14 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive whole number, got {value}")
     return value
+
+
+def work_limit(text: str) -> int | None:
+    """argparse type: a non-negative whole number of tokens, 0 meaning no limit (None)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = no limit), got {value}")
+    return value or None

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from openk2.chat import TEMPLATES, list_reasoning_parsers
+from openk2.cli.args import work_limit
 from openk2.infer.admission import DEFAULT_MAX_INFLIGHT_WORK, DEFAULT_MAX_REQUEST_WORK
 from openk2.infer.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS_LIMIT, create_app
 
@@ -26,7 +27,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model-name", default=None, help="model id clients must send (default: checkpoint dir name)")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--max-tokens-limit", type=_limit, default=DEFAULT_MAX_TOKENS_LIMIT, metavar="TOKENS",
+    p.add_argument("--max-tokens-limit", type=work_limit, default=DEFAULT_MAX_TOKENS_LIMIT, metavar="TOKENS",
                    help="most max_tokens one request may ask for (default: none beyond the context length)")
     p.add_argument("--reasoning-parser", default=None, choices=list_reasoning_parsers(),
                    help="return the model's <think> text as reasoning_content (K2-Thinking: kimi_k2)")
@@ -38,13 +39,13 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--strict-tool-calls", action="store_true",
                    help="tool_choice auto: once the model opens a call section, hold it to the declared tools' "
                         "schemas (required / named calls and response_format are always constrained)")
-    p.add_argument("--grammar-max-string-length", type=_limit, default=None, metavar="CHARS",
+    p.add_argument("--grammar-max-string-length", type=work_limit, default=None, metavar="CHARS",
                    help="constrained decoding: give free strings in arguments this maxLength (default: none)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    p.add_argument("--max-request-work", type=_limit, default=DEFAULT_MAX_REQUEST_WORK, metavar="TOKENS",
+    p.add_argument("--max-request-work", type=work_limit, default=DEFAULT_MAX_REQUEST_WORK, metavar="TOKENS",
                    help="most n x max_tokens one request may ask for; above it: 400 (0 = no limit; "
                         f"default {DEFAULT_MAX_REQUEST_WORK})")
-    p.add_argument("--max-inflight-work", type=_limit, default=DEFAULT_MAX_INFLIGHT_WORK, metavar="TOKENS",
+    p.add_argument("--max-inflight-work", type=work_limit, default=DEFAULT_MAX_INFLIGHT_WORK, metavar="TOKENS",
                    help="most n x max_tokens of all unfinished requests together; a request that would pass it "
                         f"gets 429, retry later (0 = no limit; default {DEFAULT_MAX_INFLIGHT_WORK})")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -68,14 +69,3 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         log.warning("serving on %s without an API key", args.host)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
-
-
-def _limit(text: str) -> int | None:
-    """A work limit from the command line: a non-negative whole number, 0 meaning none."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = no limit), got {value}")
-    return value or None

@@ -21,6 +21,7 @@ import json
 from typing import Any
 
 from openk2.chat import ReplyDelta
+from openk2.chat.format import reply_finish_reason
 
 
 class StreamWriter:
@@ -65,8 +66,7 @@ class StreamWriter:
 
     def finish(self, i: int, finish_reason: str) -> bytes:
         """The last chunk of sample i: an empty delta with the finish reason (`tool_calls` if it called)."""
-        called = i in self.called and finish_reason != "length"  # a reply cut by max_tokens stays "length"
-        return self._choice(i, {}, reason="tool_calls" if called else finish_reason)
+        return self._choice(i, {}, reason=reply_finish_reason(i in self.called, finish_reason))
 
     def usage(self, usage: dict) -> bytes | None:
         """The usage chunk (no choices), if the client asked for it."""
