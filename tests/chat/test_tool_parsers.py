@@ -261,3 +261,17 @@ def test_kimi_k2_resolution_schema_fit_keywords():
                             {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}])
     assert [t.name for t in tools] == ["a"] and tools[0].parameters == {}  # first declaration wins
     assert infer_tool((), "{}") == (None, "no tools were declared")
+
+
+@pytest.mark.parametrize("call_id", ["functions.f:0", "0"])
+def test_arguments_nested_past_the_recursion_limit_are_an_error_not_a_crash(call_id):
+    """Model output is hostile: 5,000 nested objects fit in one max_tokens budget and overflow json's recursion."""
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("f", "g")]
+    deep = '{"a":' * 5000 + "1" + "}" * 5000
+    text = f"<|tool_calls_section_begin|><|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{deep}" \
+           "<|tool_call_end|><|tool_calls_section_end|>"
+    result = get_tool_parser("kimi_k2")(tools).parse(text)
+    if call_id == "0":  # unresolvable without decodable arguments: dropped, with a note
+        assert result.tool_calls == [] and len(result.dropped) == 1
+    else:
+        assert "nested too deeply" in result.tool_calls[0].error

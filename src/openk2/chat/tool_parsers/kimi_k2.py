@@ -36,9 +36,9 @@ then streams, with trailing whitespace held back until it is known not to be the
 
 from __future__ import annotations
 
-import json
 import re
 
+from openk2.chat.tool_parsers.arguments import load_arguments
 from openk2.chat.tool_parsers.base import DeltaMessage, ToolParser
 from openk2.chat.tool_parsers.resolve import infer_tool
 
@@ -78,10 +78,9 @@ def function_name_from_id(call_id: str) -> str | None:
 
 def check_arguments(arguments: str) -> str | None:
     """Why `arguments` is not a JSON object, or None if it is."""
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError as e:
-        return f"arguments are not valid JSON: {e}"
+    value, error = load_arguments(arguments)
+    if error is not None:
+        return error
     if not isinstance(value, dict):
         return f"arguments must be a JSON object, got {type(value).__name__}"
     return None

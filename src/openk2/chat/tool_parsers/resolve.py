@@ -21,11 +21,12 @@ since it declares no key.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from openk2.chat.tool_parsers.arguments import load_arguments
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,8 @@ def infer_tool(tools: Sequence[DeclaredTool], arguments: str) -> tuple[str | Non
         return None, "no tools were declared"
     if len(tools) == 1:
         return tools[0].name, ""  # unambiguous; whether the arguments are right is the client's call
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
+    value, error = load_arguments(arguments)
+    if error is not None:
         return None, "its arguments are not valid JSON"
     fitting = [t.name for t in tools if fits_arguments(t.parameters, value)]
     if len(fitting) == 1:
