@@ -388,3 +388,18 @@ def test_a_missing_layer_refuses_untrusted_code_and_insecure_opts_out(monkeypatc
     trusted = run_python("print(1)", "def test_x():\n    assert True\n", insecure=True)
     assert trusted.stdout == "1\n" and trusted.passed == 1 and "bwrap" not in trusted.isolation
     monkeypatch.setattr(sandbox_jail, "_PROBED", None)
+
+
+def test_garbage_on_every_inherited_fd_cannot_crash_the_scorer():
+    """The candidate can write to whatever fds it inherited, its report channel included: JSON nested past
+    Python's recursion limit there must not raise in the trusted process (it is just not an event)."""
+    result = run_python(textwrap.dedent("""
+        import os
+        for fd in range(3, 64):
+            try:
+                os.write(fd, b"[" * 100000 + b"\\n")
+            except OSError:
+                pass
+        print("done")
+    """), tests="def test_one():\n    assert True\n")
+    assert result.stdout.strip().endswith("done")
