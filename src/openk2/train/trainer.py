@@ -67,7 +67,7 @@ class Trainer:
         self.device = resolve_device(tc.device)
         self.autocast_dtype = resolve_precision(tc.precision, self.device)
         self.ckpts = CheckpointManager(self.out_dir / "checkpoints", keep_last=tc.keep_checkpoints)
-        resume_from = self.ckpts.latest() if resume else None
+        resume_from = self._find_resume() if resume else None
         if resume and resume_from is None:
             print(f"note: no complete checkpoint in {self.ckpts.root}; starting from scratch", file=sys.stderr)
 
@@ -221,6 +221,10 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     # Hooks a fine-tuning run overrides (openk2.train.sft): the initial model, the data and the forward call.
+    def _find_resume(self) -> Path | None:
+        """The newest checkpoint that verifies (a full checksum pass over its files)."""
+        return self.ckpts.latest()
+
     def _build_model(self) -> K2ForCausalLM:
         return K2ForCausalLM(self.cfg.model)
 

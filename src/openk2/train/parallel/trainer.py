@@ -62,6 +62,7 @@ class ParallelTrainer(Trainer):
         if self.is_main:  # train (or find) the tokenizer once, before the other ranks look for it
             run_dir.mkdir(parents=True, exist_ok=True)
             latest = CheckpointManager(run_dir / "checkpoints").latest() if resume else None
+            self._resume_found = latest  # verified once here; the other ranks get the path, not a re-read
             prepare_shards(cfg, prepare_tokenizer(cfg, run_dir, latest))  # shards too, when configured
         self._barrier()
         super().__init__(cfg, out_dir, resume)
@@ -83,6 +84,14 @@ class ParallelTrainer(Trainer):
             dist.broadcast(seed, src=0)
         model, self.expert_names = build_model_part(self.cfg.model, self.mesh, self.device, int(seed))
         return model
+
+    def _find_resume(self) -> Path | None:
+        """Rank 0's verified choice, broadcast: checksumming the whole checkpoint on every rank would read it
+        world-size times."""
+        choice = [str(self._resume_found) if self.is_main and self._resume_found is not None else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] is not None else None
 
     def _build_optimizer(self) -> DistributedMuonClip:
         if isinstance(self.model, PipelineModel):
