@@ -1,9 +1,10 @@
 """Seeding and capture/restore of every global RNG a run draws from: Python's `random`, numpy's global
 generator, torch on the CPU and, where CUDA is available, torch on every CUDA device.
 
-Every trainer seeds with `seed_everything` and puts `capture_rng_state()` into its checkpoints (`save_rng_state`
-writes it as `rng.pt`); resuming calls `restore_rng_state` (or `load_rng_state`), so a resumed run draws what
-the uninterrupted one would have drawn. A foundation module: nothing from openk2.
+Every trainer seeds with `seed_everything` and puts `capture_rng_state()` into its checkpoints (pre-training
+and SFT per rank in the DCP checkpoint's `ranks/rank-N.pt`; the RL trainer as `rng.pt` via `save_rng_state`);
+resuming calls `restore_rng_state` (or `load_rng_state`), so a resumed run draws what the uninterrupted one
+would have drawn. A foundation module: nothing from openk2.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-RNG_FILE = "rng.pt"  # the RNG states in a checkpoint directory
+RNG_FILE = "rng.pt"  # the RNG states in an RL checkpoint directory
 
 
 def seed_everything(seed: int) -> None:
