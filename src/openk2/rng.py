@@ -2,7 +2,7 @@
 generator, torch on the CPU and, where CUDA is available, torch on every CUDA device.
 
 Every trainer seeds with `seed_everything` and puts `capture_rng_state()` into its checkpoints (pre-training
-and SFT per rank in the DCP checkpoint's `ranks/rank-N.pt`; the RL trainer as `rng.pt` via `save_rng_state`);
+and SFT per rank in the DCP checkpoint's `ranks/rank-NNNNN.pt`; the RL trainer as `rng.pt` via `save_rng_state`);
 resuming calls `restore_rng_state` (or `load_rng_state`), so a resumed run draws what the uninterrupted one
 would have drawn. A foundation module: nothing from openk2.
 """
