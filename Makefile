@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # On a GPU machine, install your CUDA build of this torch version into .venv first; pip keeps it.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -33,6 +33,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The prepared GPU check (docs/gpu.md): the GPU machine's own python3 with its CUDA torch, no install, no registry.
+GPU_PYTHON ?= python3
+GPU_OUT ?= runs/gpu-check
+gpu-check:
+	PYTHONPATH=src $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_OUT)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -41,8 +41,9 @@ def tensor_seed(seed: int, name: str, index: int | None = None) -> int:
 
 @torch.no_grad()
 def _normal(dest: torch.Tensor, std: float, seed: int) -> None:
+    # Drawn on the CPU whatever the default device, so the weights are the same on every device and layout.
     g = torch.Generator(device="cpu").manual_seed(seed)
-    dest.copy_(torch.empty(dest.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
+    dest.copy_(torch.empty(dest.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=g))
 
 
 @torch.no_grad()
