@@ -17,8 +17,9 @@ def plan_main(argv: list[str] | None = None) -> int:
                                      "from the model built on the meta device")
     parser.add_argument("--config", required=True, help="TOML run config (configs/kimi-k2-pp16-ep16.toml)")
     parser.add_argument("--world", type=int, help="ranks in all; dp = N / (pp x ep) (default: the config's)")
-    parser.add_argument("--states", default="fp32", choices=("fp32", "bf16"),
-                        help="fp32: what the trainer keeps today; bf16: bf16 weights + sharded fp32 master")
+    parser.add_argument("--states", default=None, choices=("fp32", "bf16"),
+                        help="fp32: fp32 weights; bf16: bf16 weights + sharded fp32 master (default: the "
+                             "config's parallel.param_dtype)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="attention kernel and precision=auto resolve as on this device type")
     parser.add_argument("--json", action="store_true", help="print JSON (world_size, max_rank_bytes, per_rank)")
@@ -33,7 +34,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         return 0
     layout = result["layout"]
     print(f"{args.config}: world {result['world_size']} = pp {layout['pp']} x dp {layout['dp']} x ep {layout['ep']}"
-          f" ({layout['pp_schedule']}, {layout['pp_virtual_stages']} stages per rank); states {args.states}")
+          f" ({layout['pp_schedule']}, {layout['pp_virtual_stages']} stages per rank); states {result['states']}")
     keys = ("params", "grads", "master", "optimizer", "activation", "comm", "total")
     print(f"{'pp rank':>8}" + "".join(f"{k + ' GB':>14}" for k in keys))
     for row in result["per_rank"][::layout["dp"] * layout["ep"]]:  # dp and ep ranks of a pp rank are alike

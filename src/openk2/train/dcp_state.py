@@ -6,6 +6,7 @@ Names (every tensor at its full, single-process shape):
   optim/exp_avg/<name>      AdamW first moment, flattened
   optim/exp_avg_sq/<name>   AdamW second moment, flattened
   optim/step/<name>         AdamW step count (0-d)
+  optim/master/<name>       fp32 master weights, flattened (only under parallel.param_dtype = "bfloat16")
 
 One process holds whole tensors; a parallel rank holds Blocks: its expert rows (`row_shards`: name ->
 (first row, full rows)) and, for the distributed optimizer, the momentum of the Muon matrices (or expert rows)
@@ -29,6 +30,7 @@ RowShards = dict[str, tuple[int, int]]  # name -> (first row this rank holds, ro
 Entries = dict[str, torch.Tensor | Block]
 MODEL, MOMENTUM, EXP_AVG, EXP_AVG_SQ, STEP = "model/", "optim/momentum/", "optim/exp_avg/", "optim/exp_avg_sq/", \
     "optim/step/"
+MASTER = "optim/master/"
 
 
 def model_entries(tensors: dict[str, torch.Tensor], row_shards: RowShards | None = None) -> Entries:
@@ -123,17 +125,20 @@ def _zero_entries(opt: DistributedMuonClip, named_params, row_shards, fresh: boo
             name, p = names[unit.index], muon.params[unit.index]
             offset, size = _flat_extent(name, p, row_shards)
             first = unit.start * (p.numel() // p.shape[0]) if unit.is_rows else 0
-            flat = buffer.view(-1)
-            entries[MOMENTUM + name] = (flat if (offset + first, flat.numel()) == (0, size)
-                                        else Block(flat, (offset + first,), (size,)))
+            pieces = [(MOMENTUM, buffer)] + ([(MASTER, muon.masters[unit])] if muon.masters else [])
+            for prefix, tensor in pieces:
+                flat = tensor.view(-1)
+                entries[prefix + name] = (flat if (offset + first, flat.numel()) == (0, size)
+                                          else Block(flat, (offset + first,), (size,)))
         adamw = opt.adamw[where]
         for name, p, m, (start, stop) in zip(opt.names[where]["adamw"], adamw.params, adamw.masters, adamw.ranges,
                                              strict=True):
             state = adamw.adamw.state[m]
             offset, size = _flat_extent(name, p, row_shards)
             if stop > start:
-                for key, prefix in (("exp_avg", EXP_AVG), ("exp_avg_sq", EXP_AVG_SQ)):
-                    local = adamw.local(state[key])
+                pieces = [(state["exp_avg"], EXP_AVG), (state["exp_avg_sq"], EXP_AVG_SQ)]
+                for tensor, prefix in pieces + ([(m, MASTER)] if adamw.master else []):
+                    local = adamw.local(tensor)
                     entries[prefix + name] = (local if (offset + start, local.numel()) == (0, size)
                                               else Block(local, (offset + start,), (size,)))
             entries[STEP + name] = state["step"]

@@ -9,6 +9,9 @@ sharded_adamw.py  ZeRO-1 AdamW on DTensor shards
 expert.py   expert parallelism: experts split over ep ranks, all-to-all dispatch/combine
 pipeline.py pipeline stages (with virtual stages) and the torch.distributed.pipelining schedule
 state.py    whole-model state gathered for saving, sliced for loading
+mixed.py    bf16 weights: fp32 gradient accumulation, QK-Clip factors for fp32 masters
+held.py     the state bytes a rank's tensors really hold (checks `openk2 plan`)
+comm_clock.py  communication wall time, for the trainer's comm_share
 trainer.py  ParallelTrainer: the Trainer under torchrun
 
 Kept light on purpose: openk2.train.config imports ParallelConfig from here.

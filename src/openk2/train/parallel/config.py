@@ -21,6 +21,7 @@ PP_SCHEDULES = {
 # Schedules that drive one stage per rank; the others drive pp_virtual_stages stages per rank.
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 BACKENDS = ("auto", "gloo", "nccl")
+PARAM_DTYPE_NAMES = ("float32", "bfloat16")
 
 
 @dataclass(kw_only=True)
@@ -31,6 +32,9 @@ class ParallelConfig:
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules); K2 uses > 1
     pp_schedule: str = "interleaved_1f1b"  # one of PP_SCHEDULES; micro-batches per step = train.grad_accum
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    # Weight storage: "float32" (weights are their own masters) or "bfloat16" (the report's bf16 parameters,
+    # fp32 gradient accumulation, fp32 masters sharded with the optimizer state; see train/parallel/mixed.py).
+    param_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for name in ("dp", "ep", "pp", "pp_virtual_stages"):
@@ -43,6 +47,8 @@ class ParallelConfig:
                              f"set pp_virtual_stages=1 or pick an interleaved schedule")
         if self.pp_schedule == "zbv_zero_bubble" and self.pp_virtual_stages != 2:
             raise ValueError("parallel.pp_schedule=zbv_zero_bubble needs exactly pp_virtual_stages=2 (V shape)")
+        if self.param_dtype not in PARAM_DTYPE_NAMES:
+            raise ValueError(f"parallel.param_dtype must be one of {PARAM_DTYPE_NAMES}, got {self.param_dtype!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"parallel.backend must be one of {BACKENDS}, got {self.backend!r}")
 

@@ -15,6 +15,7 @@ With a group of one rank (routed experts under EP with dp = 1) nothing is commun
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from openk2.optim.muon import apply_muon_update, muon_momentum, zeropower_via_newtonschulz5
+from openk2.train.parallel import comm_clock
+from openk2.train.parallel.mixed import clear_fp32_grads, grad_of
 from openk2.train.parallel.owners import Unit, assign_owners
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # 64 MB of fp32 per collective
@@ -85,7 +88,7 @@ class DistributedMuon:
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, *, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, rms_scale: float = 0.2,
                  ns_dtype: torch.dtype = torch.bfloat16, update_dtype: torch.dtype | None = None,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, master: bool = False) -> None:
         for p in params:
             if p.ndim not in (2, 3):
                 raise ValueError(f"Muon takes 2-D matrices and 3-D expert stacks, got shape {tuple(p.shape)}")
@@ -104,6 +107,9 @@ class DistributedMuon:
         self.buffers = {u: torch.zeros(u.view(params[u.index]).shape, dtype=torch.float32,
                                        device=params[u.index].device) for u in self.owned}
         self.grads: dict[Unit, torch.Tensor] = {}
+        # master=True (bf16 weights): the owner keeps an fp32 copy of its units, taken from the weights now
+        # (before they are cast), updates it, and the rounded weights travel instead of the directions.
+        self.masters = {u: u.view(params[u.index]).detach().float().clone() for u in self.owned} if master else {}
 
     def _global(self, owner: int) -> int:
         return dist.get_global_rank(self.group, owner) if self.group is not None else owner
@@ -115,27 +121,30 @@ class DistributedMuon:
         self.grads = {}
         if self.size == 1:
             for u in self.owned:
-                g = self.params[u.index].grad
+                g = grad_of(self.params[u.index])
                 self.grads[u] = torch.zeros_like(self.buffers[u]) if g is None else u.view(g).float()
         else:
             def keep(owner: int, run: list[Unit], flat: torch.Tensor) -> None:
                 if owner == self.rank:
                     self.grads.update(zip(run, self._split(flat, run), strict=True))
-            in_flight = _InFlight(2 * self.bucket_numel, keep)
-            for owner in sorted(self.by_owner):
-                for run in _buckets(self.by_owner[owner], self.params, self.bucket_numel):
-                    flat = torch.cat([self._grad(u).reshape(-1) for u in run])
-                    in_flight.add(owner, run, flat, dist.reduce(flat, dst=self._global(owner), group=self.group,
-                                                                async_op=True))
-            in_flight.drain()
+            with comm_clock.timed():  # the packing copies are counted too: they exist only to communicate
+                in_flight = _InFlight(2 * self.bucket_numel, keep)
+                for owner in sorted(self.by_owner):
+                    for run in _buckets(self.by_owner[owner], self.params, self.bucket_numel):
+                        flat = torch.cat([self._grad(u).reshape(-1) for u in run])
+                        work = dist.reduce(flat, dst=self._global(owner), group=self.group, async_op=True)
+                        in_flight.add(owner, run, flat, work)
+                in_flight.drain()
         for p in self.params:
             p.grad = None
+        clear_fp32_grads(self.params)
 
     def _grad(self, unit: Unit) -> torch.Tensor:
         p = self.params[unit.index]
-        if p.grad is None:  # a parameter no forward reached (an idle expert stack): zero gradient
+        g = grad_of(p)
+        if g is None:  # a parameter no forward reached (an idle expert stack): zero gradient
             return torch.zeros(unit.view(p).shape, dtype=torch.float32, device=p.device)
-        return unit.view(p.grad).float()
+        return unit.view(g).float()
 
     def _split(self, flat: torch.Tensor, run: list[Unit]) -> list[torch.Tensor]:
         shapes = [unit.view(self.params[unit.index]).shape for unit in run]
@@ -158,18 +167,28 @@ class DistributedMuon:
 
     # ------------------------------------------------------------------------------------------ update
     @torch.no_grad()
-    def step(self, lr: float, weight_decay: float) -> None:
-        """Owners orthogonalise their matrices; the directions travel back; every replica updates its weights."""
+    def step(self, lr: float, weight_decay: float, clip: dict[int, torch.Tensor] | None = None) -> None:
+        """Owners orthogonalise their matrices; the directions travel back; every replica updates its weights.
+        With masters, owners update them (then multiply in QK-Clip's factors `clip`, id(param) -> factor) and
+        the rounded weights travel instead."""
         ortho = self._orthogonalise_owned()
+        if self.masters:
+            self._step_masters(ortho, lr, weight_decay, clip or {})
+            self.grads = {}
+            return
+        applying = [0.0]  # seconds spent updating weights while broadcasts are in flight (not communication)
 
         def apply(owner: int, run: list[Unit], flat: torch.Tensor | None) -> None:
+            start = time.perf_counter()
             for unit, o in zip(run, [ortho[u] for u in run] if flat is None else self._split(flat, run), strict=True):
                 p = self.params[unit.index]
                 apply_muon_update([unit.view(p)], [o.float()], lr=lr, weight_decay=weight_decay,
                                   rms_scale=self.rms_scale, shape=tuple(p.shape))
+            applying[0] += time.perf_counter() - start
         if self.size == 1:
             apply(0, self.owned, None)
         else:
+            start = time.perf_counter()
             in_flight = _InFlight(2 * self.bucket_numel, apply)
             for owner in sorted(self.by_owner):
                 for run in _buckets(self.by_owner[owner], self.params, self.bucket_numel):
@@ -181,7 +200,38 @@ class DistributedMuon:
                     in_flight.add(owner, run, flat, dist.broadcast(flat, src=self._global(owner), group=self.group,
                                                                    async_op=True))
             in_flight.drain()
+            comm_clock.add(time.perf_counter() - start - applying[0])
         self.grads = {}
+
+    def _step_masters(self, ortho: dict[Unit, torch.Tensor], lr: float, weight_decay: float,
+                      clip: dict[int, torch.Tensor]) -> None:
+        for u in self.owned:
+            p, m = self.params[u.index], self.masters[u]
+            apply_muon_update([m], [ortho[u]], lr=lr, weight_decay=weight_decay, rms_scale=self.rms_scale,
+                              shape=tuple(p.shape))
+            if id(p) in clip:
+                m.mul_(u.view(clip[id(p)]))
+
+        def install(owner: int, run: list[Unit], flat: torch.Tensor) -> None:
+            for unit, w in zip(run, self._split(flat, run), strict=True):
+                unit.view(self.params[unit.index]).copy_(w)
+        if self.size == 1:
+            for u in self.owned:
+                u.view(self.params[u.index]).copy_(self.masters[u])
+            return
+        dtype = self.params[0].dtype
+        with comm_clock.timed():
+            in_flight = _InFlight(2 * self.bucket_numel, install)
+            for owner in sorted(self.by_owner):
+                for run in _buckets(self.by_owner[owner], self.params, self.bucket_numel):
+                    if owner == self.rank:  # the owner installs the same rounded weights as everyone else
+                        flat = torch.cat([self.masters[u].reshape(-1).to(dtype) for u in run])
+                    else:
+                        numel = sum(u.view(self.params[u.index]).numel() for u in run)
+                        flat = torch.empty(numel, dtype=dtype, device=self._device())
+                    in_flight.add(owner, run, flat, dist.broadcast(flat, src=self._global(owner), group=self.group,
+                                                                   async_op=True))
+            in_flight.drain()
 
     def _orthogonalise_owned(self) -> dict[Unit, torch.Tensor]:
         """Momentum + Newton-Schulz for the owned units, one batch per (small, large) shape; fp32 results."""
@@ -206,5 +256,5 @@ class DistributedMuon:
 
     # ------------------------------------------------------------------------------------------ state
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds for the group (its owned momentum)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        """Bytes of optimizer state this rank holds for the group (its owned momentum and fp32 masters)."""
+        return sum(b.numel() * b.element_size() for b in (*self.buffers.values(), *self.masters.values()))

@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from openk2.model import K2ForCausalLM
 from openk2.model.moe import MoE, RoutedExperts, Routing
+from openk2.train.parallel import comm_clock
 from openk2.train.parallel.mesh import ParallelMesh
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
@@ -51,7 +52,8 @@ class ExpertParallelExperts(RoutedExperts):
 
         # Tell every rank how many rows it gets for each of its local experts: [source rank, local expert].
         received_counts = torch.empty_like(counts_E)
-        dist.all_to_all_single(received_counts, counts_E, group=self.group)
+        with comm_clock.timed():
+            dist.all_to_all_single(received_counts, counts_E, group=self.group)
         send_splits = counts_E.view(self.ep_size, self.num_local).sum(1).tolist()
         recv_splits = received_counts.view(self.ep_size, self.num_local).sum(1).tolist()
         x_recv = _all_to_all(x_MD, recv_splits, send_splits, self.group)
@@ -71,7 +73,8 @@ class ExpertParallelExperts(RoutedExperts):
 
 
 def _all_to_all(x_MD: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    return all_to_all_single_autograd(x_MD.contiguous(), out_splits, in_splits, group)
+    with comm_clock.timed():  # waited here, so the forward exchange is timed (its backward is not)
+        return wait_tensor(all_to_all_single_autograd(x_MD.contiguous(), out_splits, in_splits, group))
 
 
 def shard_experts(model: K2ForCausalLM, mesh: ParallelMesh) -> frozenset[str]:

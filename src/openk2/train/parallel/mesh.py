@@ -34,8 +34,9 @@ class ParallelMesh:
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
 
     @classmethod
-    def single(cls) -> ParallelMesh:
-        return cls(ParallelConfig(), None, 0, 0, 0, 0)
+    def single(cls, config: ParallelConfig | None = None) -> ParallelMesh:
+        """One process, nothing distributed (`config`: a one-rank layout's other settings, e.g. param_dtype)."""
+        return cls(config or ParallelConfig(), None, 0, 0, 0, 0)
 
     @property
     def world_size(self) -> int:
@@ -80,7 +81,7 @@ def init_parallel(config: ParallelConfig, device: torch.device, timeout_s: float
         raise ValueError(f"parallel.pp x dp x ep = {config.pp} x {config.dp} x {config.ep} = {config.world_size} "
                          f"ranks, but {world} were launched (torchrun --nproc-per-node N, times the node count)")
     if not config.enabled:
-        return ParallelMesh.single()
+        return ParallelMesh.single(config)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(config, device), timeout=datetime.timedelta(seconds=timeout_s))
     shape = (config.pp, config.dp, config.ep)

@@ -127,6 +127,13 @@ class PipelineModel(nn.Module):
         self.attention = {i: model.model.layers[i].self_attn for i in self.layer_ids}
 
     @property
+    def stream_dtype(self) -> torch.dtype:
+        """The residual stream's dtype between stages: fp32 (autocast keeps it so over fp32 weights), or the
+        weights' dtype when they are bf16 (the embedding then yields bf16 and every layer keeps it)."""
+        dtype = next(self.parameters()).dtype
+        return dtype if dtype != torch.float32 else torch.float32
+
+    @property
     def has_first_stage(self) -> bool:
         return 0 in self.stage_ids
 
@@ -210,7 +217,8 @@ def _stage_io(model: PipelineModel, stage: int, shape: tuple[int, int], device: 
     """Example input and output of one stage: token ids or the fp32 residual stream in, stream or logits out."""
     rows, seq = shape
     # requires_grad marks what carries a gradient back (the schedule derives the gradient buffers from it).
-    hidden = torch.empty(rows, seq, model.config.hidden_size, device=device, requires_grad=True)
+    hidden = torch.empty(rows, seq, model.config.hidden_size, dtype=model.stream_dtype, device=device,
+                         requires_grad=True)
     first, last = stage == 0, stage == model.num_stages - 1
     inputs = torch.zeros(rows, seq, dtype=torch.long, device=device) if first else hidden
     outputs = (torch.empty(rows, seq, model.config.vocab_size, dtype=logits_dtype, device=device, requires_grad=True)
@@ -239,10 +247,10 @@ def pipeline_forward(model: PipelineModel, mesh: ParallelMesh, input_ids: torch.
         if s == 0:
             hidden = input_ids
         elif before != mesh.pp_rank:
-            hidden = torch.empty(b, t, model.config.hidden_size, device=input_ids.device)
+            hidden = torch.empty(b, t, model.config.hidden_size, dtype=model.stream_dtype, device=input_ids.device)
             dist.recv(hidden, group=group, group_src=before)
         hidden = model.stages[model.stage_ids.index(s)](hidden)
         after = rank_of_stage(cfg, s + 1) if s + 1 < model.num_stages else None
         if after is not None and after != mesh.pp_rank:
-            dist.send(hidden.float().contiguous(), group=group, group_dst=after)
+            dist.send(hidden.to(model.stream_dtype).contiguous(), group=group, group_dst=after)
     return hidden if model.has_last_stage else None

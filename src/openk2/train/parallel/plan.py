@@ -6,11 +6,12 @@ counts are the trainer's own), activations (activations.py, at train.batch_size 
 buffers (the optimizer step's flat gathers, pipeline receive buffers, a recomputed layer). Total = the
 persistent states + the larger of the two phases (forward/backward vs optimizer step).
 
-Two state policies: "fp32" is what the trainer does today (fp32 weights replicated within their group, fp32
+Two state policies, `parallel.param_dtype`'s two modes: "fp32" (fp32 weights replicated within their group, fp32
 gradients, DistributedMuonClip's state split over the group: the fp32 momentum (4 B) of the Muon matrices a
 rank owns, counted with the trainer's own owner assignment for the busiest rank, and the AdamW DTensor shards:
 moments 8 B + fp32 master 4 B per element); "bf16" is the report's (bf16 weights, fp32 gradients, an fp32
-master copy of every weight sharded alike).
+master copy of every weight sharded alike: the Muon owner's and the AdamW shards). Both are checked against
+the bytes a rank's tensors hold (held.py, tests/train/parallel/test_memory.py).
 """
 
 from __future__ import annotations
@@ -137,8 +138,11 @@ def _activation_bytes(cfg: RunConfig, parallel: ParallelConfig, part, pp_rank: i
     return int(held), int(pipeline_buffers), int(recompute * tokens)
 
 
-def plan(cfg: RunConfig, world: int | None = None, states: str = "fp32", device_type: str = "cuda") -> dict:
-    """Every rank's bytes (JSON-ready): world_size, max_rank_bytes, per_rank, and the layout used."""
+def plan(cfg: RunConfig, world: int | None = None, states: str | None = None, device_type: str = "cuda") -> dict:
+    """Every rank's bytes (JSON-ready): world_size, max_rank_bytes, per_rank, and the layout used; `states`
+    defaults to the config's `parallel.param_dtype` (float32 -> "fp32", bfloat16 -> "bf16")."""
+    if states is None:
+        states = "bf16" if cfg.parallel.param_dtype == "bfloat16" else "fp32"
     if states not in STATE_POLICIES:
         raise ValueError(f"states must be one of {sorted(STATE_POLICIES)}, got {states!r}")
     parallel = cfg.parallel

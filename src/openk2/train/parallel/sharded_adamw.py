@@ -15,6 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from openk2.optim.param_groups import ADAMW_BETAS, ADAMW_EPS
+from openk2.train.parallel import comm_clock
+from openk2.train.parallel.mixed import clear_fp32_grads, grad_of
 
 
 def shard_range(numel: int, size: int, rank: int) -> tuple[int, int]:
@@ -27,8 +29,9 @@ class ShardedAdamW:
     """AdamW for `params` replicated over `mesh` (a 1-D DeviceMesh; None = not distributed)."""
 
     def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh | None, *, lr: float,
-                 weight_decay: float) -> None:
+                 weight_decay: float, master: bool = False) -> None:
         self.params, self.mesh = params, mesh
+        self.master = master  # True (bf16 weights): the fp32 master shard is the truth, never re-read
         self.size = mesh.size() if mesh is not None else 1
         self.rank = mesh.get_local_rank() if mesh is not None else 0
         self.ranges = [shard_range(p.numel(), self.size, self.rank) for p in params]
@@ -60,14 +63,16 @@ class ShardedAdamW:
     def reduce_gradients(self) -> None:
         """Each master gets this rank's shard of the group-summed gradient; frees every `p.grad`."""
         for p, m in zip(self.params, self.masters, strict=True):
-            g = torch.zeros_like(p) if p.grad is None else p.grad
-            flat = g.detach().reshape(-1).float()
+            g = grad_of(p)
+            flat = (torch.zeros(p.shape, device=p.device) if g is None else g).detach().reshape(-1).float()
             if self.mesh is None:
                 m.grad = flat
             else:
-                m.grad = DTensor.from_local(flat, self.mesh, [Partial()], run_check=False).redistribute(
-                    self.mesh, [Shard(0)])
+                with comm_clock.timed():  # a reduce-scatter
+                    m.grad = DTensor.from_local(flat, self.mesh, [Partial()], run_check=False).redistribute(
+                        self.mesh, [Shard(0)])
             p.grad = None
+        clear_fp32_grads(self.params)
 
     def grad_square_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's gradient shards (each element lives on one rank)."""
@@ -83,19 +88,25 @@ class ShardedAdamW:
                 self.local(m.grad).mul_(coef)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on the shards, then the updated weights all-gathered into every replica."""
+    def step(self, clip: dict[int, torch.Tensor] | None = None) -> None:
+        """AdamW on the shards, then the updated weights all-gathered into every replica. With fp32 masters,
+        QK-Clip's factors (`clip`: id(param) -> factor) are multiplied into the master shards first."""
         if self.adamw is None:
             return
-        for p, m, (start, stop) in zip(self.params, self.masters, self.ranges, strict=True):
-            # QK-Clip (or a load) edits the replicated weights between steps: the master follows them.
-            self.local(m).copy_(p.detach().reshape(-1)[start:stop])
+        if not self.master:
+            for p, m, (start, stop) in zip(self.params, self.masters, self.ranges, strict=True):
+                # QK-Clip (or a load) edits the replicated weights between steps: the master follows them.
+                self.local(m).copy_(p.detach().reshape(-1)[start:stop])
         self.adamw.step()
+        for p, m, (start, stop) in zip(self.params, self.masters, self.ranges, strict=True):
+            if clip and id(p) in clip:
+                self.local(m).mul_(clip[id(p)].reshape(-1)[start:stop])
         for p, m in zip(self.params, self.masters, strict=True):
             m.grad = None
             full = m.detach().to(p.dtype)
             if isinstance(full, DTensor):
-                full = full.redistribute(self.mesh, [Replicate()]).to_local()
+                with comm_clock.timed():  # an all-gather
+                    full = full.redistribute(self.mesh, [Replicate()]).to_local()
             p.view(-1).copy_(full)
 
     def state_bytes(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -27,11 +28,12 @@ from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import RunConfig
 from openk2.train.dcp_resume import write_run_state
 from openk2.train.dcp_state import model_entries, optimizer_entries
+from openk2.train.parallel import comm_clock
 from openk2.train.parallel.build import build_model_part
 from openk2.train.parallel.mesh import ParallelMesh, init_parallel
 from openk2.train.parallel.pipeline import PipelineModel, build_schedule, pipeline_forward
 from openk2.train.parallel.state import local_tensors
-from openk2.train.parallel.zero import DistributedMuonClip
+from openk2.train.parallel.zero import DistributedMuonClip, build_optimizer
 from openk2.train.setup import prepare_shards, prepare_tokenizer, resolve_device
 from openk2.train.trainer import Trainer
 
@@ -44,6 +46,26 @@ class _NoMetrics:
 
     def close(self) -> None:
         pass
+
+
+class _ThroughputMetrics:
+    """Rank 0's metrics with per-device throughput added to each logged window: `tokens_per_s_per_device`
+    (the window's global tokens/s over the world size) and `comm_share` (communication seconds over step
+    seconds of this rank in the window; comm_clock.py says what is timed)."""
+
+    def __init__(self, inner, trainer: ParallelTrainer) -> None:
+        self.inner, self.trainer = inner, trainer
+
+    def log(self, record: dict) -> None:
+        if "tokens_per_s" in record:
+            window = self.trainer.take_time_window()
+            record.update(tokens_per_s_per_device=record["tokens_per_s"] / self.trainer.mesh.world_size,
+                          comm_s=window["comm_s"], step_s=window["step_s"],
+                          comm_share=window["comm_s"] / window["step_s"] if window["step_s"] else 0.0)
+        self.inner.log(record)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class ParallelTrainer(Trainer):
@@ -94,13 +116,7 @@ class ParallelTrainer(Trainer):
         return Path(choice[0]) if choice[0] is not None else None
 
     def _build_optimizer(self) -> DistributedMuonClip:
-        if isinstance(self.model, PipelineModel):
-            named, attention = self.model.named_full_parameters(), self.model.attention
-        else:
-            named, attention = list(self.model.named_parameters()), dict(enumerate(self.model.attention_layers()))
-        return DistributedMuonClip(self.model, named, attention, **self.cfg.optim.muonclip_kwargs(),
-                                   expert_names=self.expert_names, dense_group=self.mesh.group("data"),
-                                   expert_group=self.mesh.group("dp"))
+        return build_optimizer(self.model, self.expert_names, self.mesh, self.cfg.optim.muonclip_kwargs())
 
     def _build_train_loader(self) -> PackedLoader:
         # Each data rank gets (and reads) only its rows of the global micro-batch; the position is global.
@@ -112,9 +128,27 @@ class ParallelTrainer(Trainer):
         return unigram_baseline(self.train_loader)
 
     def _open_metrics(self):
-        return super()._open_metrics() if self.is_main else _NoMetrics()
+        return _ThroughputMetrics(super()._open_metrics(), self) if self.is_main else _NoMetrics()
 
     # ------------------------------------------------------------------------------------------ one step
+    _window = None
+
+    def _optimizer_step(self) -> dict:
+        """Trainer's step, its wall time and communication time added to the current log window."""
+        comm_clock.take()  # what ran between steps (evaluation, checkpoints) is not a step's
+        start = time.perf_counter()
+        record = super()._optimizer_step()
+        window = self._window or {"comm_s": 0.0, "step_s": 0.0}
+        window["step_s"] += time.perf_counter() - start
+        window["comm_s"] += comm_clock.take()
+        self._window = window
+        return record
+
+    def take_time_window(self) -> dict[str, float]:
+        """{comm_s, step_s} summed over the steps since the last call, and reset."""
+        window, self._window = self._window or {"comm_s": 0.0, "step_s": 0.0}, None
+        return window
+
     def _forward_backward(self, stats: ForwardStats) -> tuple[float, torch.Tensor | None, int]:
         batches = [next(self.train_loader) for _ in range(self.cfg.train.grad_accum)]
         targets = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
@@ -144,7 +178,8 @@ class ParallelTrainer(Trainer):
                 counts = out.tokens_per_expert if counts is None else counts + out.tokens_per_expert
         if counts is not None:  # global counts: the bias update must see every rank's tokens
             counts = counts.float().to(self.device)
-            dist.all_reduce(counts, group=self.mesh.group("data"))
+            with comm_clock.timed():
+                dist.all_reduce(counts, group=self.mesh.group("data"))
         return self._sum(loss, "data"), counts
 
     def _pipeline_step(self, batches, total, stats: ForwardStats) -> tuple[float, torch.Tensor | None]:
@@ -162,7 +197,8 @@ class ParallelTrainer(Trainer):
         counts = stats.tokens_per_expert()
         if counts is not None:  # each stage fills its layers' rows; data ranks add their tokens
             counts = counts.to(self.device)
-            dist.all_reduce(counts)
+            with comm_clock.timed():
+                dist.all_reduce(counts)
         return loss, counts
 
     def _aux_weight(self) -> float:
@@ -240,7 +276,8 @@ class ParallelTrainer(Trainer):
 
     def _write_main_files(self, path: Path) -> None:
         """Rank 0: config.json, tokenizer, run state; no HF weights (`openk2 export` streams them from dcp/)."""
-        (path / "config.json").write_text(json.dumps({**self.cfg.model.to_hf(), "torch_dtype": "float32"}, indent=2))
+        hf = {**self.cfg.model.to_hf(), "torch_dtype": self.cfg.parallel.param_dtype}  # the weights' dtype
+        (path / "config.json").write_text(json.dumps(hf, indent=2))
         self.tokenizer.save(path)
         write_run_state(path, {"step": self.step, "tokens_seen": self.tokens_seen, "loss_ema": self.loss_ema,
                                "loader": self.train_loader.state_dict(), "schedule": self.schedule.to_dict(),
@@ -250,7 +287,8 @@ class ParallelTrainer(Trainer):
     def _sum(self, value: float, axis: str | None) -> float:
         """Sum a Python float over one mesh axis ("data", "pp", ...) or, with None, over every rank."""
         t = torch.tensor(value, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
-        dist.all_reduce(t, group=None if axis is None else self.mesh.group(axis))
+        with comm_clock.timed():
+            dist.all_reduce(t, group=None if axis is None else self.mesh.group(axis))
         return float(t)
 
     def _barrier(self) -> None:

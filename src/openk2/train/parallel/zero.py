@@ -28,7 +28,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from openk2.optim.muonclip import ClipStats
 from openk2.optim.param_groups import MuonFilter, default_muon_filter
 from openk2.optim.qk_clip import QKClip, reduce_max_logits, unrecorded_max_logits
+from openk2.train.parallel import comm_clock
 from openk2.train.parallel.dist_muon import DEFAULT_BUCKET_NUMEL, DistributedMuon, group_size
+from openk2.train.parallel.mesh import ParallelMesh
+from openk2.train.parallel.mixed import PARAM_DTYPES, accumulate_in_fp32, clear_fp32_grads, clip_factors
+from openk2.train.parallel.pipeline import PipelineModel
 from openk2.train.parallel.sharded_adamw import ShardedAdamW
 
 ProcessGroup = dist.ProcessGroup | None
@@ -71,8 +75,13 @@ class DistributedMuonClip:
         expert_group: ProcessGroup = None,
         update_dtype: torch.dtype | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        param_dtype: torch.dtype = torch.float32,
     ) -> None:
+        if param_dtype not in PARAM_DTYPES.values():
+            raise ValueError(f"param_dtype must be one of {sorted(PARAM_DTYPES)}, got {param_dtype}")
         self.model = model
+        self.param_dtype = param_dtype
+        master = param_dtype != torch.float32
         self.lr, self.weight_decay, self.tau = lr, weight_decay, tau
         keep = muon_filter or default_muon_filter
         members: dict[tuple[str, str], list[tuple[str, nn.Parameter]]] = {
@@ -86,10 +95,11 @@ class DistributedMuonClip:
         self.muon = {where: DistributedMuon([p for _, p in members[(where, "muon")]], groups[where],
                                             momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                             rms_scale=rms_scale, ns_dtype=ns_dtype, update_dtype=update_dtype,
-                                            bucket_numel=bucket_numel)
+                                            bucket_numel=bucket_numel, master=master)
                      for where in groups}
         self.adamw = {where: ShardedAdamW([p for _, p in members[(where, "adamw")]],
-                                          _mesh_of(groups[where], device), lr=lr, weight_decay=weight_decay)
+                                          _mesh_of(groups[where], device), lr=lr, weight_decay=weight_decay,
+                                          master=master)
                       for where in groups}
         self.names = {where: {kind: [n for n, _ in members[(where, kind)]] for kind in ("muon", "adamw")}
                       for where in groups}
@@ -98,6 +108,11 @@ class DistributedMuonClip:
         self.qk_clip = (QKClip(attention_layers=list(self.clip_layers.values()), tau=tau)
                         if tau is not None and self.clip_layers else None)
         self.last_clip: ClipStats | None = None
+        if master:  # the fp32 masters were taken above; the weights become bf16, gradients accumulate in fp32
+            params = self._all_params()
+            for p in params:
+                p.data = p.data.to(param_dtype)
+            accumulate_in_fp32(params)
 
     # ------------------------------------------------------------------------------------------ MuonClip API
     def set_lr(self, lr: float) -> None:
@@ -116,6 +131,7 @@ class DistributedMuonClip:
                 m.grad = None
         for p in self._all_params():
             p.grad = None
+        clear_fp32_grads(self._all_params())
 
     def skip_step(self) -> None:
         """Drop a step's gradients without updating (a bad loss or gradient norm; its max logits are the caller's)."""
@@ -134,7 +150,8 @@ class DistributedMuonClip:
         for part in (*self.muon.values(), *self.adamw.values()):
             square += part.grad_square_sum().to(self.device)
         if dist.is_initialized():
-            dist.all_reduce(square)  # every reduced gradient element lives on exactly one rank
+            with comm_clock.timed():
+                dist.all_reduce(square)  # every reduced gradient element lives on exactly one rank
         norm = float(square.sqrt())
         if max_norm > 0:
             coef = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
@@ -144,29 +161,43 @@ class DistributedMuonClip:
 
     @torch.no_grad()
     def step(self, max_logits: torch.Tensor | None = None) -> ClipStats:
-        """Muon and AdamW updates of every replica, then QK-Clip with max logits MAX-reduced over all ranks."""
+        """Muon and AdamW updates of every replica, then QK-Clip with max logits MAX-reduced over all ranks
+        (with fp32 masters, the clip is multiplied into the masters before the rounded weights go out)."""
+        max_logits = self._reduced_max_logits(max_logits)
+        clip = None
+        if self.param_dtype != torch.float32 and self.tau is not None:
+            clip = clip_factors(self.clip_layers, max_logits, self.tau)
         for part in self.muon.values():
-            part.step(self.lr, self.weight_decay)
+            part.step(self.lr, self.weight_decay, clip)
         for part in self.adamw.values():
-            part.step()
-        return self._qk_clip(max_logits)
-
-    def _qk_clip(self, max_logits: torch.Tensor | None) -> ClipStats:
-        if max_logits is None:  # no forward recorded any: nothing is clipped
-            max_logits = unrecorded_max_logits(self.model.config)
-        max_logits = reduce_max_logits(max_logits.to(self.device)).cpu()  # NCCL reduces device tensors only
+            part.step(clip)
+        if clip is None and self.qk_clip is not None:
+            self.qk_clip.apply(max_logits[list(self.clip_layers)], reduce=False)
         gamma = torch.ones_like(max_logits)
         if self.tau is not None:
             gamma = torch.where(max_logits > self.tau, self.tau / max_logits, gamma)
-        if self.qk_clip is not None:
-            self.qk_clip.apply(max_logits[list(self.clip_layers)], reduce=False)
         self.last_clip = ClipStats(max_logits=max_logits, gamma=gamma)
         return self.last_clip
+
+    def _reduced_max_logits(self, max_logits: torch.Tensor | None) -> torch.Tensor:
+        if max_logits is None:  # no forward recorded any: nothing is clipped
+            max_logits = unrecorded_max_logits(self.model.config)
+        with comm_clock.timed():
+            return reduce_max_logits(max_logits.to(self.device)).cpu()  # NCCL reduces device tensors only
 
     # ------------------------------------------------------------------------------------------ state
     def state_bytes(self) -> int:
         """Optimizer-state bytes on this rank: owned Muon momentum, AdamW master and moment shards."""
         return sum(part.state_bytes() for part in (*self.muon.values(), *self.adamw.values()))
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The persistent tensors this rank's optimizer holds, by role: fp32 masters and optimizer state
+        (for held.py's storage count; momentum of owned Muon matrices, AdamW moments)."""
+        master = [m for part in self.adamw.values() for m in part.masters]
+        master += [m for part in self.muon.values() for m in part.masters.values()]
+        moments = [t for part in self.adamw.values() for m in part.masters for t in part.adamw.state[m].values()]
+        momentum = [b for part in self.muon.values() for b in part.buffers.values()]
+        return {"master": master, "optimizer": momentum + moments}
 
     def _layout(self) -> dict[str, Any]:
         return {where: {"muon": [(u.index, u.start, u.stop, u.owner) for u in self.muon[where].units],
@@ -192,3 +223,17 @@ class DistributedMuonClip:
             for m, saved in zip(part.masters, state["adamw"][where], strict=True):
                 for k, v in saved.items():
                     ShardedAdamW.local(part.adamw.state[m][k]).copy_(v)
+
+
+def build_optimizer(model: nn.Module, expert_names: frozenset[str], mesh: ParallelMesh,
+                    muonclip_kwargs: dict[str, Any]) -> DistributedMuonClip:
+    """The parallel trainer's optimizer for this rank's share (`OptimSection.muonclip_kwargs()` as keywords):
+    dense weights replicated over the "data" group, routed experts over "dp"; `parallel.param_dtype` weights
+    (bfloat16: cast here, after the fp32 masters are taken)."""
+    if isinstance(model, PipelineModel):
+        named, attention = model.named_full_parameters(), model.attention
+    else:
+        named, attention = list(model.named_parameters()), dict(enumerate(model.attention_layers()))
+    return DistributedMuonClip(model, named, attention, **muonclip_kwargs, expert_names=expert_names,
+                               dense_group=mesh.group("data"), expert_group=mesh.group("dp"),
+                               param_dtype=PARAM_DTYPES[mesh.config.param_dtype])
