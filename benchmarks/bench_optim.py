@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from openk2.optim.muon import Muon
+from openk2.optim.newton_schulz import NS_KERNELS
+from openk2.optim.ns_kernel import measure_ns_kernels, select_ns_kernel
 from openk2.optim.param_groups import param_groups
 
 # Architecture numbers of the presets, used only when the model package cannot be imported yet.
@@ -112,9 +114,9 @@ def leaf(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> 
 
 
 def bench_preset(
-    preset: str, warmup: int, repeats: int, device: torch.device, *, with_torch: bool, native: bool
+    preset: str, warmup: int, repeats: int, device: torch.device, *, with_torch: bool, kernels: list[str]
 ) -> dict[str, Any]:
-    """Benchmark torch's Muon and ours (and optionally ours forced to native bf16 kernels) on one preset."""
+    """Benchmark torch's Muon and ours (the auto-selected kernel, plus each kernel in `kernels`) on one preset."""
     shapes = model_shapes(preset)
     source = "model"
     if shapes is None:
@@ -128,9 +130,9 @@ def bench_preset(
         matrices = [s[-2:] for _, s in shapes for _ in range(s[0] if len(s) == 3 else 1)]
         torch_params = [leaf(s, gen, device) for s in matrices]
         steps["torch"] = torch.optim.Muon(torch_params, adjust_lr_fn="match_rms_adamw", **kw).step
-    if native:
-        native_params = [leaf(s, gen, device) for _, s in shapes]
-        steps["native"] = Muon(native_params, ns_emulate=False, **kw).step
+    for kernel in kernels:
+        pinned = [leaf(s, gen, device) for _, s in shapes]
+        steps[kernel] = Muon(pinned, ns_kernel=kernel, **kw).step
     ms = time_steps(steps, warmup, repeats, device)
     return {
         "preset": preset,
@@ -164,9 +166,13 @@ def main() -> None:
         "--skip-torch", action="store_true", help="time only ours (torch's CPU step takes minutes on small)"
     )
     parser.add_argument(
-        "--native", action="store_true", help="also time ours with ns_emulate=False (bf16 kernels on CPU too)"
+        "--kernels", nargs="*", default=[], choices=sorted(NS_KERNELS),
+        help="also time ours pinned to these Newton-Schulz kernels (default: only the auto-selected one)",
     )
+    parser.add_argument("--native", action="store_true", help="the same as --kernels native (older spelling)")
     args = parser.parse_args()
+    if args.native and "native" not in args.kernels:
+        args.kernels.append("native")
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError("--repeats must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
@@ -177,27 +183,28 @@ def main() -> None:
         f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} CPU threads, fp32 params, "
         f"median of {args.repeats} interleaved steps after {args.warmup} warm-up"
     )
+    probe = measure_ns_kernels(device, torch.bfloat16)
+    print("start-up probe (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in probe.items())
+          + f"; auto-selected: {select_ns_kernel(device, torch.bfloat16)}")
     header = (
         f"{'preset':<7} {'shapes from':<16} {'tensors':>7} {'matrices':>8} {'params':>8} "
         f"{'torch ms':>10} {'ours ms':>9} {'torch/ours':>10}"
     )
-    if args.native:
-        header += f" {'native ms':>10} {'torch/native':>12}"
+    for kernel in args.kernels:
+        header += f" {kernel + ' ms':>11} {'torch/' + kernel:>14}"
     print(header)
     print("-" * len(header))
     for preset in args.presets:
         with_torch = not args.skip_torch
-        r = bench_preset(preset, args.warmup, args.repeats, device, with_torch=with_torch, native=args.native)
-        torch_ms, ours_ms, native_ms = r.get("torch_ms"), r["ours_ms"], r.get("native_ms")
+        r = bench_preset(preset, args.warmup, args.repeats, device, with_torch=with_torch, kernels=args.kernels)
+        torch_ms, ours_ms = r.get("torch_ms"), r["ours_ms"]
         line = (
             f"{r['preset']:<7} {r['source']:<16} {r['tensors']:>7} {r['matrices']:>8} {r['params_m']:>7.2f}M "
             f"{_cell(torch_ms, 10)} {_cell(ours_ms, 9)} {_ratio(torch_ms, ours_ms, 10)}"
         )
-        if args.native:
-            line += f" {_cell(native_ms, 10)} {_ratio(torch_ms, native_ms, 12)}"
+        for kernel in args.kernels:
+            line += f" {_cell(r[kernel + '_ms'], 11)} {_ratio(torch_ms, r[kernel + '_ms'], 14)}"
         print(line, flush=True)
-    if args.native:
-        print("native: ours with ns_emulate=False, i.e. bf16 matmul kernels even on CPU (the GPU code path).")
 
 
 if __name__ == "__main__":

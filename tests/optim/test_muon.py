@@ -11,6 +11,7 @@ import torch
 import torch.optim._muon as torch_muon_impl
 
 from openk2.optim.muon import NS_COEFFICIENTS, Muon, apply_muon_update, muon_momentum, zeropower_via_newtonschulz5
+from openk2.optim.newton_schulz import NS_KERNELS
 
 MU = 0.95
 
@@ -122,13 +123,14 @@ def test_matches_torch_muon_exactly_with_fp64_newton_schulz(monkeypatch, nestero
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_matches_torch_muon_in_bf16():
-    """Default settings against torch.optim.Muon: trajectories agree to bf16 Newton-Schulz noise."""
+@pytest.mark.parametrize("kernel", [None, *sorted(NS_KERNELS)])
+def test_matches_torch_muon_in_bf16(kernel):
+    """Every Newton-Schulz kernel (and the measured default) agrees with torch.optim.Muon to bf16 noise."""
     lr, wd = 0.02, 0.1
     ours_params = make_params(SHAPES_2D)
     torch_params = clone_params(ours_params)
     start = [p.detach().clone() for p in ours_params]
-    ours = Muon(ours_params, lr=lr, weight_decay=wd)
+    ours = Muon(ours_params, lr=lr, weight_decay=wd, ns_kernel=kernel)
     theirs = torch.optim.Muon(
         torch_params, lr=lr, momentum=MU, nesterov=True, weight_decay=wd, adjust_lr_fn="match_rms_adamw"
     )
@@ -145,12 +147,12 @@ def test_matches_torch_muon_in_bf16():
 
 
 @pytest.mark.parametrize("shape", [(64, 64), (96, 48), (64, 256)])
-@pytest.mark.parametrize("emulate", [True, False])
-def test_newton_schulz_matches_fp64_reference(shape, emulate):
-    """bf16 NS (emulated or native kernels) is within bf16 noise of the fp64 iteration; fp32 is tight."""
+@pytest.mark.parametrize("kernel", sorted(NS_KERNELS))
+def test_newton_schulz_matches_fp64_reference(shape, kernel):
+    """bf16 NS (any kernel) is within bf16 noise of the fp64 iteration; fp32 is tight."""
     X = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     ref = reference_ns(X)
-    out = zeropower_via_newtonschulz5(X, emulate=emulate)
+    out = zeropower_via_newtonschulz5(X, kernel=kernel)
     assert out.dtype == torch.bfloat16 and out.shape == X.shape
     # torch.optim.Muon's own bf16 NS measures 1.2-1.5% against this reference on these shapes.
     assert rel_err(out, ref) < 0.03
@@ -185,9 +187,9 @@ def test_newton_schulz_singular_values_in_band(shape):
 def test_newton_schulz_batched_equals_per_matrix():
     """A 3-D batch is orthogonalised per matrix, identically to separate 2-D calls."""
     X = torch.randn(5, 48, 96, generator=torch.Generator().manual_seed(0))
-    for emulate in (True, False):
-        batched = zeropower_via_newtonschulz5(X, emulate=emulate)
-        looped = torch.stack([zeropower_via_newtonschulz5(x, emulate=emulate) for x in X])
+    for kernel in NS_KERNELS:
+        batched = zeropower_via_newtonschulz5(X, kernel=kernel)
+        looped = torch.stack([zeropower_via_newtonschulz5(x, kernel=kernel) for x in X])
         torch.testing.assert_close(batched, looped, rtol=0, atol=0)
 
 
@@ -195,9 +197,9 @@ def test_newton_schulz_leaves_input_alone():
     """The public function never writes to its argument (Muon lets it reuse its own batch buffer)."""
     X = torch.randn(3, 40, 24, generator=torch.Generator().manual_seed(0))
     before = X.clone()
-    for emulate in (True, False):
-        zeropower_via_newtonschulz5(X, emulate=emulate)
-        zeropower_via_newtonschulz5(X[0], emulate=emulate)
+    for kernel in NS_KERNELS:
+        zeropower_via_newtonschulz5(X, kernel=kernel)
+        zeropower_via_newtonschulz5(X[0], kernel=kernel)
     torch.testing.assert_close(X, before, rtol=0, atol=0)
 
 

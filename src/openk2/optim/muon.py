@@ -10,93 +10,49 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Muon", "apply_muon_update", "muon_momentum", "zeropower_via_newtonschulz5"]
+from openk2.optim.newton_schulz import NS_COEFFICIENTS, NS_KERNELS, newton_schulz
+from openk2.optim.ns_kernel import select_ns_kernel
 
-# Quintic coefficients from Keller Jordan's Muon; they maximise the slope at zero, so small singular
-# values grow fast, at the price of the iteration oscillating around 1 instead of converging to it.
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_EPS = 1e-7
+__all__ = ["NS_COEFFICIENTS", "Muon", "apply_muon_update", "muon_momentum", "zeropower_via_newtonschulz5"]
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 
-def _emulate_by_default(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether low-precision matmuls should be emulated with fp32 arithmetic on this device."""
-    # CPUs without native bf16/fp16 GEMM run those dtypes 5-50x slower than fp32 (measured on the
-    # AVX2 dev boxes), so there we compute in fp32 and round to `dtype` after every product instead.
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-
-
-def _newton_schulz(
-    X: Tensor,
-    steps: int,
-    dtype: torch.dtype,
-    emulate: bool,
-    *,
-    overwrite: bool = False,
-) -> Tensor:
-    """Orthogonalise each matrix of a [B, n, m] batch with n <= m; the result is fp32 if emulating.
-
-    overwrite=True lets an fp32 X serve as scratch space.
-    """
-    a, b, c = NS_COEFFICIENTS
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32).add_(NS_EPS)
-    # Normalising in fp32 and writing straight into `dtype` costs one rounding and one pass.
-    X_low = torch.div(X, norm, out=torch.empty(X.shape, dtype=dtype, device=X.device))
-    if emulate:
-        reuse = overwrite and X.dtype == torch.float32 and X.is_contiguous()
-        work = X if reuse else torch.empty(X.shape, dtype=torch.float32, device=X.device)
-        return _newton_schulz_emulated(work.copy_(X_low), X_low, steps)
-    X = X_low
-    # GPUs fuse the scaled additions into the GEMM epilogue (in fp32), so this costs 3 GEMMs.
-    for _ in range(steps):
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    return X
-
-
-def _newton_schulz_emulated(X: Tensor, X_low: Tensor, steps: int) -> Tensor:
-    """Newton-Schulz in fp32 arithmetic that stores every product in X_low's dtype, as native kernels do.
-
-    X holds the normalised input (fp32, already rounded); X_low is scratch of the same shape in `dtype`.
-    """
-    a, b, c = NS_COEFFICIENTS
-    batch, n, _ = X.shape
-    Y = torch.empty_like(X)
-    A, T, P = (X.new_empty(batch, n, n) for _ in range(3))
-    small_low = torch.empty(A.shape, dtype=X_low.dtype, device=X.device)
-    # Preallocated buffers and out= products: fresh multi-MB CPU allocations each cost page faults.
-    for _ in range(steps):
-        torch.bmm(X, X.mT, out=A)
-        A.copy_(small_low.copy_(A))
-        # CPU baddbmm scales and adds in separate passes, so use a X + (b A + c A^2) X == P X with
-        # P = a I + A (c A + b I): all elementwise work then happens on the small n x n side.
-        torch.mul(A, c, out=T)
-        T.diagonal(dim1=-2, dim2=-1).add_(b)
-        torch.bmm(A, T, out=P)
-        P.diagonal(dim1=-2, dim2=-1).add_(a)
-        P.copy_(small_low.copy_(P))
-        torch.bmm(P, X, out=Y)
-        Y.copy_(X_low.copy_(Y))
-        X, Y = Y, X
-    return X
+def _kernel_name(kernel: str | None, emulate: bool | None, device: torch.device, dtype: torch.dtype) -> str:
+    """Resolve the Newton-Schulz kernel: an explicit name, the legacy emulate flag, else the measured choice."""
+    if kernel is not None and emulate is not None:
+        raise ValueError("give either ns_kernel or ns_emulate, not both")
+    if kernel is None and emulate is not None:
+        kernel = "emulated" if emulate else "native"
+    if kernel is None or kernel == "auto":
+        return select_ns_kernel(device, dtype)
+    if kernel not in NS_KERNELS:
+        raise ValueError(f"unknown Newton-Schulz kernel {kernel!r}; valid: auto, {', '.join(NS_KERNELS)}")
+    return kernel
 
 
 def zeropower_via_newtonschulz5(
-    X: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16, *, emulate: bool | None = None
+    X: Tensor,
+    steps: int = 5,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    emulate: bool | None = None,
+    kernel: str | None = None,
 ) -> Tensor:
-    """Approximate U V^T of X = U S V^T (per matrix for a 3-D batch) with quintic Newton-Schulz."""
+    """Approximate U V^T of X = U S V^T (per matrix for a 3-D batch) with quintic Newton-Schulz.
+
+    kernel: "native", "emulated", "fp32" or None/"auto" (measured per process, see ns_kernel.py);
+    emulate=True/False is the older spelling of "emulated"/"native". The result has `dtype`.
+    """
     if X.ndim not in (2, 3):
         raise ValueError(f"expected a matrix or a [B, n, m] batch of matrices, got shape {tuple(X.shape)}")
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
-    if emulate is None:
-        emulate = _emulate_by_default(X.device, dtype)
+    name = _kernel_name(kernel, emulate, X.device, dtype)
     batch = X if X.ndim == 3 else X.unsqueeze(0)
     # Iterate on the wide orientation so the Gram matrix X X^T is the small side.
     tall = X.size(-2) > X.size(-1)
-    out = _newton_schulz(batch.mT if tall else batch, steps, dtype, emulate).to(dtype)
+    out = newton_schulz(batch.mT if tall else batch, steps, dtype, name).to(dtype)
     if tall:
         out = out.mT
     return out if X.ndim == 3 else out[0]
@@ -116,6 +72,11 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(f"ns_steps must be a positive int, got {group['ns_steps']}")
     if not isinstance(group["ns_dtype"], torch.dtype) or not group["ns_dtype"].is_floating_point:
         raise ValueError(f"ns_dtype must be a floating torch.dtype, got {group['ns_dtype']}")
+    kernel = group.get("ns_kernel")
+    if kernel is not None and group.get("ns_emulate") is not None:
+        raise ValueError("give either ns_kernel or ns_emulate, not both")
+    if kernel not in (None, "auto", *NS_KERNELS):
+        raise ValueError(f"unknown ns_kernel {kernel!r}; valid: auto, {', '.join(NS_KERNELS)}")
     for p in group["params"]:
         if p.ndim not in (2, 3):
             raise ValueError(
@@ -141,6 +102,7 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         *,
         ns_emulate: bool | None = None,
+        ns_kernel: str | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -151,6 +113,7 @@ class Muon(torch.optim.Optimizer):
             "rms_scale": rms_scale,
             "ns_dtype": ns_dtype,
             "ns_emulate": ns_emulate,
+            "ns_kernel": ns_kernel,
         }
         super().__init__(params, defaults)
 
@@ -217,15 +180,14 @@ class Muon(torch.optim.Optimizer):
 
         ns_dtype = group["ns_dtype"]
         for (device, small, big), idx in buckets.items():
-            emulate = group["ns_emulate"]
-            if emulate is None:
-                emulate = _emulate_by_default(device, ns_dtype)
+            kernel = _kernel_name(group.get("ns_kernel"), group.get("ns_emulate"), device, ns_dtype)
             members = [params[i] for i in idx]
             stacked = torch.empty(_batch_size(members), small, big, dtype=torch.float32, device=device)
             # The momentum directions are written straight into the batch: no per-matrix temporaries.
             muon_momentum([bufs[i] for i in idx], [grads[i] for i in idx], group["momentum"],
                           nesterov=group["nesterov"], out=_param_views(stacked, members))
-            ortho = _newton_schulz(stacked, group["ns_steps"], ns_dtype, emulate, overwrite=True).float()
+            # The native kernel's bf16 result goes into the fp32 update as is: no fp32 copy of the batch.
+            ortho = newton_schulz(stacked, group["ns_steps"], ns_dtype, kernel, overwrite=True)
             apply_muon_update(members, _param_views(ortho, members), lr=group["lr"],
                               weight_decay=group["weight_decay"], rms_scale=group["rms_scale"], shape=(small, big))
 
@@ -285,7 +247,7 @@ def apply_muon_update(
 ) -> None:
     """W <- (1 - lr wd) W - lr * rms_scale * sqrt(max(n, m)) * O for every (W, O) pair, in place.
 
-    `orthos` are the Newton-Schulz outputs (fp32) for matrices of `shape` (..., n, m); a W may be a whole
+    `orthos` are the Newton-Schulz outputs (fp32 or ns_dtype) for matrices of `shape` (..., n, m); a W may be a whole
     parameter or any piece of one (a ZeRO slice) as long as its O is the matching piece. Decoupled weight
     decay; the sqrt(max(n, m)) * rms_scale factor turns the ~unit-singular-value O (RMS 1/sqrt(max)) into an
     update with RMS ~rms_scale, matching AdamW's typical update RMS (Moonlight, arXiv:2502.16982). Low-precision

@@ -17,6 +17,7 @@ from tests.train.parallel.ranks import run_ranks
 
 STEPS = 3
 TAU = 0.5
+NS_KERNEL = "emulated"  # bf16 rounding on fp32 GEMMs: the same on every CPU
 HYPER = {"lr": 0.02, "weight_decay": 0.1, "tau": TAU, "ns_dtype": torch.float32}
 
 
@@ -48,6 +49,19 @@ def _zero(model: K2ForCausalLM, **extra) -> DistributedMuonClip:
                                **{**HYPER, **extra})
 
 
+def _pinned_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    return NS_KERNEL
+
+
+def _pin_ns_kernel() -> None:
+    """One Newton-Schulz kernel in every process (a spawned rank's own module): the automatic choice is timed
+    per process (optim/ns_kernel.py), so under load the reference and the ranks could pick kernels that round
+    bf16 differently."""
+    import openk2.optim.muon
+
+    openk2.optim.muon.select_ns_kernel = _pinned_kernel
+
+
 def _reference(ns_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     model = _model()
     opt = MuonClip(model, **{**HYPER, "ns_dtype": ns_dtype})
@@ -61,6 +75,7 @@ def _reference(ns_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]
 
 
 def _train_sharded(rank: int, world: int, bucket_numel: int, ns_dtype: torch.dtype) -> dict:
+    _pin_ns_kernel()
     model = _model()
     opt = _zero(model, bucket_numel=bucket_numel, ns_dtype=ns_dtype)
     share = 0.25 if rank == 0 else 0.75 / (world - 1)  # unequal parts: only their sum is the gradient
@@ -93,7 +108,10 @@ def test_one_process_equals_muonclip():
     (3, 4096, torch.float32),  # many small buckets, several in flight
     (2, 1 << 24, torch.bfloat16),  # bf16 Newton-Schulz and bf16 updates on the wire
 ], ids=["dp2-fp32", "dp3-small-buckets", "dp2-bf16"])
-def test_distributed_muonclip_equals_single_process(world, bucket_numel, ns_dtype):
+def test_distributed_muonclip_equals_single_process(world, bucket_numel, ns_dtype, monkeypatch):
+    import openk2.optim.muon
+
+    monkeypatch.setattr(openk2.optim.muon, "select_ns_kernel", _pinned_kernel)  # the reference, in this process
     results = run_ranks(world, _train_sharded, world, bucket_numel, ns_dtype)
     expected = _reference(ns_dtype)
     for rank in range(world):
