@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DTYPES, hf_copy, machine_summary, quiet_transformers, time_call  # noqa: E402
 
 from openk2 import K2ForCausalLM, ModelConfig  # noqa: E402
+from openk2.model.compile import compile_blocks, compile_seconds  # noqa: E402
 from openk2.train.flops import measure_matmul_peak, training_flops_per_token  # noqa: E402
 
 MIN_REPEATS = 2  # timed steps per model and dtype that --max-seconds never cuts below
@@ -132,6 +133,26 @@ def profile_ours(model: torch.nn.Module, ids: torch.Tensor, top: int, steps: int
               f"  calls {e.count}")
 
 
+def compiled_steps(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, warmups: dict[str, float]):
+    """Step functions for block-compiled copies of both models; their first (compiling) step is run here and its
+    wall time stored in `warmups` (with the compile seconds torch reports, when it does)."""
+    ours_c = copy.deepcopy(ours)
+    compile_blocks(ours_c)
+    hf_c = copy.deepcopy(hf)
+    for layer in hf_c.model.layers:  # the same regional compile, applied to HF's decoder layers
+        layer.compile(dynamic=True)
+    steps = {"ours_compiled": lambda x, m=ours_c: train_step(m, x),
+             "hf_compiled": lambda x, m=hf_c: train_step(m, x, **hf_step_kwargs())}
+    for who, step in steps.items():
+        before, start = compile_seconds(), time.perf_counter()
+        step(ids)
+        warmups[who] = time.perf_counter() - start
+        spent = compile_seconds()
+        note = f", of which compiling {spent - before:.0f} s" if spent is not None and before is not None else ""
+        print(f"{who}: first step {warmups[who]:.0f} s{note}", flush=True)
+    return steps
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -149,6 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also print our step's top K ops by self CPU time (fp32)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time both models with each decoder block torch.compiled (regional compile: "
+                        "ours via openk2.model.compile.compile_blocks, HF's layers the same way)")
     args = parser.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     unknown = [d for d in dtypes if d not in DTYPES]
@@ -201,9 +225,12 @@ def main(argv: list[str] | None = None) -> None:
         dtype = DTYPES[name]
         ours = ours32 if dtype == torch.float32 else copy.deepcopy(ours32).to(dtype)
         hf = hf32 if dtype == torch.float32 else copy.deepcopy(hf32).to(dtype)
-        times: dict[str, list[float]] = {"ours": [], "hf": []}
         steps = {"ours": lambda ids, m=ours: train_step(m, ids),
                  "hf": lambda ids, m=hf: train_step(m, ids, **hf_step_kwargs())}
+        warmups = {}
+        if args.compile:
+            steps.update(compiled_steps(ours, hf, batches[0], warmups))
+        times: dict[str, list[float]] = {who: [] for who in steps}
         losses, timed_start, stopped_early = {}, 0.0, False
         for i, ids in enumerate(batches):
             done = i - args.warmup
@@ -214,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
                 if spent + spent / done > args.max_seconds:  # the next pair would overrun the budget
                     stopped_early = True
                     break
-            for who in (("ours", "hf") if i % 2 == 0 else ("hf", "ours")):
+            order = list(steps)
+            for who in order if i % 2 == 0 else order[::-1]:
                 start = time.perf_counter()
                 loss = steps[who](ids)
                 elapsed = time.perf_counter() - start
@@ -228,6 +256,16 @@ def main(argv: list[str] | None = None) -> None:
         row = dict(dtype=name, ours=ours_tps, hf=hf_tps, ratio=ours_tps / hf_tps,
                    ours_flops=ours_tps * flops_tok, hf_flops=hf_tps * flops_tok, ceiling=ceiling)
         rows.append(row)
+        if args.compile:
+            tps = {who: tokens / statistics.median(times[who]) for who in times}
+            print(f"\n[{name}] compiled blocks: ours {tps['ours_compiled']:,.0f} tok/s "
+                  f"(warm-up {warmups['ours_compiled']:.0f} s) | HF {tps['hf_compiled']:,.0f} tok/s "
+                  f"(warm-up {warmups['hf_compiled']:.0f} s) | ours compiled / HF eager "
+                  f"{tps['ours_compiled'] / tps['hf']:.2f}x, "
+                  f"/ HF compiled {tps['ours_compiled'] / tps['hf_compiled']:.2f}x,"
+                  f" ours compiled / ours eager {tps['ours_compiled'] / tps['ours']:.2f}x; "
+                  f"MFU ours compiled {tps['ours_compiled'] * flops_tok / ceiling:.1%}, "
+                  f"HF compiled {tps['hf_compiled'] * flops_tok / ceiling:.1%}")
         spread = {w: f"{min(t):.2f}-{max(t):.2f} s" for w, t in times.items()}
         note = f" (stopped early: --max-seconds {args.max_seconds:g})" if stopped_early else ""
         print(f"\n[{name}] {len(times['ours'])} timed steps each{note}; "

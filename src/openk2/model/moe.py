@@ -14,6 +14,7 @@ from torch import nn
 
 from openk2.config import ModelConfig
 from openk2.model.layers import MLP
+from openk2.model.routing import FREE, RoutingTrace
 from openk2.model.stats import ForwardStats
 
 IDLE_SKIP_ROWS = 2  # below this many (token, expert) rows per expert on CPU, run only the experts that got rows
@@ -26,6 +27,7 @@ class Routing:
     indices_NK: torch.Tensor  # chosen experts
     weights_NK: torch.Tensor  # fp32 combine weights (normalised, scaled)
     scores_NE: torch.Tensor  # fp32 sigmoid affinities (no bias)
+    chosen_NK: torch.Tensor | None = None  # the router's own top-k when indices_NK were replayed (else None)
 
 
 class Router(nn.Module):
@@ -41,17 +43,22 @@ class Router(nn.Module):
         # Updated outside autograd by the trainer (aux-loss-free balancing), saved in checkpoints.
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
-    def forward(self, x_ND: torch.Tensor) -> Routing:
+    def forward(self, x_ND: torch.Tensor, replay_NK: torch.Tensor | None = None) -> Routing:
+        """Route N tokens; `replay_NK` (R3, see routing.py) imposes experts on the tokens whose row holds no
+        FREE entry, their weights still computed from these scores (so the router gets gradients)."""
         with torch.autocast(device_type=x_ND.device.type, enabled=False):
             scores = F.linear(x_ND.float(), self.weight.float()).sigmoid()
         biased = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
             biased = self._mask_groups(biased)
-        indices = biased.topk(self.top_k, dim=-1, sorted=False).indices
+        indices = chosen = biased.topk(self.top_k, dim=-1, sorted=False).indices
+        if replay_NK is not None:
+            indices = torch.where((replay_NK != FREE).all(-1, keepdim=True), replay_NK, chosen)
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return Routing(indices, weights * self.routed_scaling_factor, scores)
+        return Routing(indices, weights * self.routed_scaling_factor, scores,
+                       chosen if replay_NK is not None else None)
 
     def _mask_groups(self, biased_NE: torch.Tensor) -> torch.Tensor:
         # DeepSeek-V3 node-limited routing: a group's score is the sum of its top-2 biased scores.
@@ -66,7 +73,9 @@ class Router(nn.Module):
 def grouped_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, offsets: torch.Tensor, use_grouped_mm: bool):
     """Rows of x sorted by expert (offsets [E] int32 = cumulative row ends) times each expert's W^T."""
     w_EIO = w_EOI.transpose(1, 2)
-    if use_grouped_mm:
+    # torch.compile traces grouped_mm through a shape function that accepts bf16 only (CPU eager runs any
+    # dtype), so compiled blocks in other dtypes take the exact per-expert fallback below.
+    if use_grouped_mm and (x_MI.dtype == torch.bfloat16 or not torch.compiler.is_compiling()):
         return F.grouped_mm(x_MI, w_EIO.to(x_MI.dtype), offs=offsets)
     # Exact fallback: one matmul per expert over its contiguous slice of rows; idle experts cost nothing.
     outs, start = [], 0
@@ -111,7 +120,10 @@ class RoutedExperts(nn.Module):
         flat_experts = routing.indices_NK.reshape(-1)
         order = flat_experts.argsort(stable=True)  # (token, slot) pairs grouped by expert
         token_of_row = order // k
-        counts_E = torch.bincount(flat_experts, minlength=self.gate_proj.shape[0])
+        # Not bincount: its output size depends on the data (a host sync on GPU, a graph break under compile);
+        # every index is < E, so a scatter-add into E slots gives the same counts with a static shape.
+        counts_E = torch.zeros(self.gate_proj.shape[0], dtype=torch.int64, device=flat_experts.device)
+        counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         offsets = counts_E.cumsum(0).to(torch.int32)
         dtype = torch.get_autocast_dtype(x_ND.device.type) if torch.is_autocast_enabled() else x_ND.dtype
         x_MD = x_ND[token_of_row].to(dtype)
@@ -138,11 +150,18 @@ class MoE(nn.Module):
         self.aux_loss_alpha = cfg.aux_loss_alpha
         self.top_k = cfg.num_experts_per_tok
 
-    def forward(self, x_BTD: torch.Tensor, stats: ForwardStats | None = None) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]; `stats` receives this call's tokens per expert and balance loss."""
+    def forward(self, x_BTD: torch.Tensor, stats: ForwardStats | None = None,
+                trace: RoutingTrace | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; `stats` receives this call's tokens per expert and balance loss, `trace`
+        (a caller's RoutingTrace) records the experts chosen and may replay given ones."""
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(-1, d)
-        routing = self.gate(x_ND)
+        if trace is None:
+            routing = self.gate(x_ND)
+        else:
+            routing = self.gate(x_ND, trace.replay_for(self.layer_idx, x_ND.shape[0], x_ND.device))
+            chosen = routing.indices_NK if routing.chosen_NK is None else routing.chosen_NK
+            trace.record(self.layer_idx, routing.indices_NK, chosen)
         routed, counts_E = self.experts(x_ND, routing)
         # Computed whenever it applies, recorded or not: a recomputation's replay (stats=None) must run the
         # forward's ops exactly.

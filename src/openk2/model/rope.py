@@ -75,6 +75,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.amplitude = amplitude
 
+    def reset(self, cfg: ModelConfig) -> None:
+        """Recompute the frequencies and amplitude for `cfg` in place (a training stage switching RoPE/YaRN)."""
+        inv_freq, self.amplitude = rope_inv_freq(cfg)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = position_ids[..., None].float() * self.inv_freq  # [B, T, R/2]
         return angles.cos() * self.amplitude, angles.sin() * self.amplitude

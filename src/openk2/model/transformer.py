@@ -16,16 +16,18 @@ from torch import nn
 
 from openk2.config import ModelConfig
 from openk2.model.attention import InnerAttention, MLAttention, segment_causal_mask
+from openk2.model.chunked_loss import chunked_cross_entropy
 from openk2.model.init import draw_init_seed, init_weights
 from openk2.model.layers import MLP, RMSNorm
 from openk2.model.moe import MoE
 from openk2.model.rope import RotaryEmbedding
+from openk2.model.routing import RoutingTrace
 from openk2.model.stats import ForwardStats
 
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor | None  # [B, T, V]; None when the loss was computed in chunks (loss_chunk_tokens)
     loss: torch.Tensor | None = None  # mean next-token cross-entropy (+ aux_loss when present)
     aux_loss: torch.Tensor | None = None  # sum of the MoE layers' sequence-wise balance losses
     tokens_per_expert: torch.Tensor | None = None  # [num_moe_layers, E] routed (token, slot) counts this call
@@ -51,12 +53,13 @@ class DecoderLayer(nn.Module):
         attn_mask: torch.Tensor | None = None,
         stats: ForwardStats | None = None,
         inner_attention: InnerAttention | None = None,
+        routing: RoutingTrace | None = None,
     ) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]; `stats` records what the layer saw, `inner_attention` swaps the attention
-        core (see MLAttention.forward)."""
+        core (see MLAttention.forward), `routing` records (and may replay) the MoE experts (model/routing.py)."""
         x_BTD = x_BTD + self.self_attn(self.input_layernorm(x_BTD), cos, sin, attn_mask, stats, inner_attention)
         h_BTD = self.post_attention_layernorm(x_BTD)
-        return x_BTD + (self.mlp(h_BTD, stats) if isinstance(self.mlp, MoE) else self.mlp(h_BTD))
+        return x_BTD + (self.mlp(h_BTD, stats, routing) if isinstance(self.mlp, MoE) else self.mlp(h_BTD))
 
 
 class K2Model(nn.Module):
@@ -76,8 +79,10 @@ class K2Model(nn.Module):
         attn_mask: torch.Tensor | None = None,
         stats: ForwardStats | None = None,
         inner_attention: InnerAttention | None = None,
+        routing: RoutingTrace | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, T] -> final-norm hidden [B, T, D] (positions default to 0..T-1)."""
+        """input_ids [B, T] -> final-norm hidden [B, T, D] (positions default to 0..T-1); `routing` as in
+        DecoderLayer."""
         b, t = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -85,7 +90,7 @@ class K2Model(nn.Module):
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             # Keywords: memory options wrap layer.forward and hand `stats` to the first (non-replayed) call only.
-            x = layer(x, cos, sin, attn_mask, stats=stats, inner_attention=inner_attention)
+            x = layer(x, cos, sin, attn_mask, stats=stats, inner_attention=inner_attention, routing=routing)
         return self.norm(x)
 
 
@@ -112,6 +117,9 @@ class K2ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.init_seed = init_seed
+        # > 0: with labels, the loss runs over the vocabulary this many tokens at a time and no logits are
+        # returned (model/chunked_loss.py); the trainer sets it from train.loss_chunk_tokens.
+        self.loss_chunk_tokens = 0
         self.reset_parameters()
 
     # ------------------------------------------------------------------ init
@@ -131,13 +139,15 @@ class K2ForCausalLM(nn.Module):
         attn_mask: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         stats: ForwardStats | None = None,
+        routing: RoutingTrace | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, T]; labels [B, T] aligned with input_ids (HF style: shifted here, -100 ignored).
 
         `segment_ids` [B, T] (packed rows, e.g. SFT conversations) keeps attention causal and inside each
         segment (tokens sharing an id); pass `position_ids` restarting at 0 per segment with it. `stats`, a
         caller's collector, accumulates this call's records (max logits only if it tracks them); the output's
-        aux_loss and tokens_per_expert cover this call alone.
+        aux_loss and tokens_per_expert cover this call alone. `routing`, a caller's RoutingTrace, records each
+        token's experts and may replay given ones (R3, model/routing.py).
         """
         if segment_ids is not None:
             if attn_mask is not None:
@@ -145,14 +155,19 @@ class K2ForCausalLM(nn.Module):
             attn_mask = segment_causal_mask(segment_ids)
         # A collector per call, so the output reports this call even when the caller's spans several.
         call = ForwardStats(self.config, track_max_logits=stats is not None and stats.track_max_logits)
-        hidden = self.model(input_ids, position_ids, attn_mask, stats=call)
-        logits = self.lm_head(hidden)
+        hidden = self.model(input_ids, position_ids, attn_mask, stats=call, routing=routing)
+        chunked = labels is not None and self.loss_chunk_tokens > 0
+        logits = None if chunked else self.lm_head(hidden)
         aux_loss = call.aux_loss()
         loss = None
         if labels is not None:
             # Shift the labels, not the logits: slicing [B, T, V] logits would copy them twice per step.
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+            if chunked:
+                loss = chunked_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                             chunk_tokens=self.loss_chunk_tokens)
+            else:
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
             if aux_loss is not None:
                 loss = loss + aux_loss
         if stats is not None:
