@@ -86,3 +86,19 @@ def test_encode_pieces_refuses_a_marker_the_tokenizer_lacks(tokenizer):
 
     with pytest.raises(ValueError, match="no special token"):
         encode_pieces(tokenizer, [marker("<|not_a_token|>")])
+
+
+@pytest.mark.parametrize("template", ["kimi_k2", "kimi_k2_thinking"])
+def test_this_tokenizers_reserved_names_stay_text(tokenizer, template):
+    # HOSTILE spells K2's own reserved ids; this tokenizer's unused slots have other names, which a client (or a
+    # reply sent back) may spell too: they must be text as well.
+    slots = {tokenizer.decode([i]): i for i in range(tokenizer.num_base_tokens, tokenizer.vocab_size)}
+    reserved = [name for name in slots if name.startswith("<|reserved_token_")]
+    assert len(reserved) >= 2
+    fmt = ChatFormat(tokenizer, template=template)
+    hostile, clean = conversation("".join(reserved)), conversation("x")
+    ids = fmt.prepare(hostile["messages"], hostile["tools"]).token_ids
+    assert control_tokens(tokenizer, ids) == control_tokens(
+        tokenizer, fmt.prepare(clean["messages"], clean["tools"]).token_ids)
+    assert not set(ids) & {slots[name] for name in reserved}
+    assert tokenizer.decode(ids).count(reserved[0]) == render(**hostile, template=template).count(reserved[0]) > 3

@@ -100,7 +100,8 @@ def test_chunked_prefill_keeps_decoding_and_stays_exact(model):
 def test_admission_waits_for_free_blocks(model):
     prompts = prompts_of([9, 12, 7, 15], model.config.vocab_size)
     # 6 blocks of 8: each request needs up to 3 (prompt + 8 new tokens), so at most two run at a time.
-    engine = Engine(model, max_batch_size=4, max_seq_len=24, block_size=BS, num_blocks=6, prefix_caching=False)
+    engine = Engine(model, max_batch_size=4, max_seq_len=24, block_size=BS, num_blocks=6, prefix_caching=False,
+                    preemption=False)
     for p in prompts:
         engine.add_request(p, greedy(8, ignore_eos=True))
     engine.step()
@@ -114,6 +115,44 @@ def test_admission_waits_for_free_blocks(model):
         assert_matches_full_forward(model, r)
     with pytest.raises(ValueError, match="num_blocks"):
         Engine(model, max_seq_len=64, block_size=BS, num_blocks=3)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_recomputes_and_stays_exact(model, prefix_caching):
+    """Admitted on their prompt alone, four sequences outgrow a 6-block cache: the latest admitted are preempted,
+    requeued at the head and recomputed (prompt + tokens so far); every result still equals the plain forward,
+    sampled ones included (each keeps its generator), and every block comes back."""
+    prompts = prompts_of([9, 12, 7, 15], model.config.vocab_size)
+    params = [greedy(9, ignore_eos=True), SamplingParams(temperature=1.0, seed=5, max_tokens=9, ignore_eos=True,
+                                                         return_logits=True)] * 2
+    engine = Engine(model, max_batch_size=4, max_seq_len=24, block_size=BS, num_blocks=6,
+                    prefix_caching=prefix_caching, record_routing=True)
+    for p, sp in zip(prompts, params, strict=True):
+        engine.add_request(p, sp)
+    engine.step()
+    assert len(engine._running) == 3  # prompt + first token: 2 + 2 + 1 blocks; the fourth (2) waits
+    results = []
+    while engine.has_unfinished():
+        results += engine.step()
+        assert sum(len(s.blocks) for s in engine._running) <= 6
+    assert engine.preemptions >= 1
+    if not prefix_caching:  # a victim recomputes its prompt and the tokens it had generated
+        assert engine.prefill_tokens_computed > sum(map(len, prompts))
+    assert sorted(len(r.token_ids) for r in results) == [9] * 4
+    for r in results:
+        assert_matches_full_forward(model, r)
+    # The sampled ones drew what an engine with room for all of them draws.
+    roomy = Engine(model, max_batch_size=4, max_seq_len=24, block_size=BS, record_routing=True)
+    reference = roomy.generate(prompts, params)
+    results.sort(key=lambda r: r.request_id)
+    assert [r.token_ids for r in reference] == [r.token_ids for r in results]
+    assert roomy.preemptions == 0
+    # Routing (R3) keeps the experts that produced each token, recorded once per position, never the recompute's.
+    for r, ref in zip(results, reference, strict=True):
+        assert r.routing.shape == (len(r.prompt_token_ids) + len(r.token_ids) - 1, *ref.routing.shape[1:])
+        if not prefix_caching:
+            assert torch.equal(r.routing, ref.routing)
+    assert all(ref == 0 for ref in engine.cache.refs)
 
 
 def test_idle_cached_blocks_are_reclaimed_least_recently_used_first(model):

@@ -376,6 +376,30 @@ def test_a_choices0_reader_gets_the_call_and_the_finish_reason(scripted):
                                 "arguments": '{"city": "Paris"}'}}
 
 
+def test_dropped_call_is_surfaced_as_a_note(scripted):
+    # Two tools and an id that names neither: the call cannot be resolved, so it is dropped -- with a note the
+    # client sees (the choice's openk2_notes), not silently; the reply then ends as plain text.
+    tools = TOOLS + [{"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"nights": {"type": "integer"}}, "required": ["nights"]}}}]
+    scripted.engine.script = ('Hi.<|tool_calls_section_begin|><|tool_call_begin|>weird@id<|tool_call_argument_begin|>'
+                              '{"town": "Rome"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+    r = scripted.client.chat.completions.create(model=MODEL, messages=HELLO, tools=tools)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and not c.message.tool_calls and c.message.content == "Hi."
+    (note,) = c.model_extra["openk2_notes"]
+    assert "weird@id" in note and "dropped" in note
+    chunks, by_choice = _stream(scripted.client, messages=HELLO, tools=tools)
+    assert by_choice[0]["calls"] == {} and by_choice[0]["finish"] == "stop"
+    last = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason][-1].choices[0]
+    assert last.model_extra["openk2_notes"] == [note]
+    assert all("openk2_notes" not in (ch.choices[0].model_extra or {}) for ch in chunks
+               if ch.choices and not ch.choices[0].finish_reason)
+    # A reply without dropped calls carries no notes.
+    scripted.engine.script = CALL_TEXT
+    ok = scripted.client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS).choices[0]
+    assert "openk2_notes" not in (ok.model_extra or {})
+
+
 def test_what_the_server_answered_is_accepted_back(scripted):
     scripted.engine.script = CALL_TEXT
     r = scripted.client.chat.completions.create(model=MODEL, messages=HELLO, tools=TOOLS)

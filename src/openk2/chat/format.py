@@ -73,6 +73,7 @@ class AssistantMessage:
     tool_calls: list[dict] = field(default_factory=list)
     finish_reason: str = "stop"
     reasoning_content: str | None = None
+    notes: list[str] = field(default_factory=list)  # why calls were dropped (ids naming no function, ...)
 
     def to_openai(self) -> dict:
         """The message as an OpenAI chat message dict (`reasoning_content` only when there is some)."""
@@ -91,10 +92,11 @@ class ReplyDelta:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # calls dropped, one note each (never announced as deltas)
 
     def is_empty(self) -> bool:
         """Whether this delta carries nothing."""
-        return not (self.reasoning or self.content or self.tool_calls)
+        return not (self.reasoning or self.content or self.tool_calls or self.notes)
 
 
 class ReplyStream:
@@ -118,12 +120,13 @@ class ReplyStream:
             reasoning, content = split.reasoning, split.content
         first = self.tool_parser.feed(content)
         last = self.tool_parser.finish()
-        merged = DeltaMessage(first.content + last.content, first.tool_calls + last.tool_calls)
+        merged = DeltaMessage(first.content + last.content, first.tool_calls + last.tool_calls,
+                              dropped=first.dropped + last.dropped)
         return self._calls(reasoning, merged)
 
     @staticmethod
     def _calls(reasoning: str, delta: DeltaMessage) -> ReplyDelta:
-        return ReplyDelta(reasoning, delta.content, list(delta.tool_calls))
+        return ReplyDelta(reasoning, delta.content, list(delta.tool_calls), list(delta.dropped))
 
 
 class ChatFormat:
@@ -198,7 +201,8 @@ class ChatFormat:
         # Malformed calls stay (a client sees what the model tried); their parser error is not OpenAI's shape.
         calls = [{k: v for k, v in c.to_openai().items() if k != "error"} for c in parsed.tool_calls]
         content = parsed.content if parsed.content or not (calls or reasoning) else None
-        return AssistantMessage(content, calls, reply_finish_reason(bool(calls), result.finish_reason), reasoning)
+        return AssistantMessage(content, calls, reply_finish_reason(bool(calls), result.finish_reason), reasoning,
+                                list(parsed.dropped))
 
     def stream_parser(self, tools: Sequence[dict] | None = None) -> ToolParser:
         """A fresh incremental tool-call parser of this format, for a request declaring `tools`."""

@@ -43,6 +43,8 @@ import torch
 from openk2.infer.kv_cache import ROOT_HASH, PagedLatentCache, block_hash, prefix_hashes
 from openk2.infer.latent_attention import LatentCacheAttention, absorbed_attention, expanded_attention
 from openk2.infer.sampling import SamplingParams, make_generator, sample_tokens
+from openk2.model.compile import compile_blocks
+from openk2.model.routing import RoutingTrace
 
 _UTF8_SLACK = 4  # characters re-scanned for stop strings beyond the longest stop string
 
@@ -70,6 +72,10 @@ class GenerationResult:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text: str | None = None  # decoded tokens when the engine has a tokenizer, cut before a matched stop string
     logits: torch.Tensor | None = None  # [len(token_ids), vocab] fp32 when params.return_logits
+    # [len(prompt_token_ids) + len(token_ids) - 1, MoE layers, K] int16 when the engine records routing: row p holds
+    # the experts each MoE layer ran for the input at position p of prompt + tokens (the last token is never fed);
+    # -1 rows: positions served from the prefix cache (computed for an earlier request)
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -88,11 +94,18 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    routing: list[torch.Tensor] = field(default_factory=list)  # [n, L, K] int16 chunks, positions 0..cached-1
     stop_scan_from: int = 0  # text offset before which no stop string can start any more
 
     @property
+    def prefill_target(self) -> int:
+        # Positions to compute before decoding: the prompt, and after a preemption every generated token but
+        # the last (the next decode step feeds that one).
+        return len(self.prompt) + max(len(self.tokens) - 1, 0)
+
+    @property
     def prefilling(self) -> bool:
-        return self.cached < len(self.prompt)
+        return self.cached < self.prefill_target
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt)
@@ -100,8 +113,9 @@ class _Sequence:
 
     def result(self, reason: str, stop_reason, text: str | None) -> GenerationResult:
         logits = torch.stack(self.logits) if self.logits else None
+        routing = torch.cat(self.routing) if self.routing else None
         return GenerationResult(self.request_id, self.sample_index, self.prompt, self.tokens, self.logprobs,
-                                reason, stop_reason, text, logits)
+                                reason, stop_reason, text, logits, routing)
 
 
 # ---------------------------------------------------------------------- engine
@@ -119,15 +133,27 @@ class Engine:
         block_size: int = 16,
         num_blocks: int | None = None,
         prefix_caching: bool = True,
+        record_routing: bool = False,
+        compile: bool = False,
+        preemption: bool = True,
     ) -> None:
         """`tokenizer` (an openk2 K2Tokenizer, or anything with decode and eos_id) enables stop strings and
         `text`; max_batch_size sequences (samples) run at once, each at most max_seq_len tokens (prompt +
         generated); one step prefills at most max_prefill_tokens padded tokens (longer prompts in chunks);
         the cache holds num_blocks blocks of block_size tokens (default: max_batch_size full-length sequences);
         `prefix_caching` shares the blocks of equal prompt prefixes; `absorbed=False` decodes with the expanded
-        form instead (for checks)."""
+        form instead (for checks). `record_routing` gives every result the experts of every position it ran
+        (GenerationResult.routing, for R3 replay in training: a RoutingTrace per forward, none when off);
+        positions a prefix-cache hit skipped are -1 there (a cached block keeps no routing), while the n samples
+        of one request share the leader's. `compile` torch.compiles the model's decoder blocks in place
+        (model/compile.py, dynamic shapes: batch and chunk sizes vary step to step). `preemption` admits a
+        sequence when the cache holds its prompt and first token, and when decoding runs out of blocks preempts
+        the most recently admitted sequences (recompute, as vLLM: see `_make_room`); without it a sequence is
+        admitted only when its worst case (prompt + max_tokens) is free, and nothing is ever preempted."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if compile:
+            compile_blocks(model)
         self.model = model
         self.cfg = model.config
         self.tokenizer = tokenizer
@@ -135,6 +161,8 @@ class Engine:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
         self.absorbed = absorbed
+        self._moe_layers = sum(map(self.cfg.is_moe_layer, range(self.cfg.num_hidden_layers)))
+        self.record_routing = record_routing and self._moe_layers > 0  # a dense model has no routing
         self.prefix_caching = prefix_caching
         weight = model.model.embed_tokens.weight
         self.device = weight.device
@@ -146,8 +174,12 @@ class Engine:
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # admitted: prefilling (no token yet) or decoding, in admission order
         self._next_request_id = 0
+        # Modules are fixed for the engine's lifetime; their _parameters/_buffers dicts are read every step.
+        self._weight_dicts = [d for m in model.modules() for d in (m._parameters, m._buffers)]
         self._weights_seen = self._weights_version()
         self.prefill_tokens_computed = 0  # prompt tokens run through the model (prefix hits excluded)
+        self.preemption = preemption
+        self.preemptions = 0  # sequences preempted so far (a counter for tests and benchmarks)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
@@ -238,22 +270,46 @@ class Engine:
         return results
 
     # ------------------------------------------------------------------ scheduling
+    def _need(self, seq: _Sequence) -> int:
+        """Blocks `seq` must be sure of: with preemption, those its prefill and next decode step write (growth past
+        them preempts others, `_make_room`); without, its worst case (prompt + max_tokens)."""
+        return self.cache.blocks_for(seq.prefill_target + 1) if self.preemption else seq.reserve
+
     def _outstanding(self) -> int:
-        """Blocks the admitted sequences may still allocate."""
-        return sum(s.reserve - len(s.blocks) for s in self._running)
+        """Blocks the admitted sequences may still allocate before the next check."""
+        return sum(max(self._need(s) - len(s.blocks), 0) for s in self._running)
+
+    def _make_room(self, seqs: list[_Sequence]) -> list[_Sequence]:
+        """Preempt the most recently admitted sequences until the cache covers every admitted one's next step;
+        returns the decoding `seqs` still running. A victim gives back its blocks and waits at the head of the
+        queue with its tokens, its sampler and grammar states; re-admitted, it prefills prompt + tokens again
+        (recompute preemption, as vLLM; prefix reuse makes that cheap when its blocks are still cached)."""
+        while self.cache.num_available < self._outstanding() and len(self._running) > 1:
+            victim = self._running[-1]
+            self._release(victim)
+            # Its routing records stay: they are the experts that produced its tokens (the recompute adds none).
+            victim.cached, victim.hashes, victim.shareable = 0, [], True
+            self._waiting.appendleft(victim)
+            self.preemptions += 1
+        running = {id(s) for s in self._running}
+        return [s for s in seqs if id(s) in running]
 
     def _admit(self, seq: _Sequence) -> bool:
         """Take `seq` into the batch if the cache can hold its worst case; shares its cached prompt prefix."""
         bs = self.cache.block_size
         hashes, matched = [], []
-        if self.prefix_caching:  # at least the prompt's last token is computed: its logits give token 1
-            hashes = prefix_hashes(seq.prompt, bs, (len(seq.prompt) - 1) // bs)
+        if self.prefix_caching:  # at least the last position is computed: its logits give token 1
+            known = seq.prompt + seq.tokens[:-1]  # a preempted sequence also recomputes its generated tokens
+            hashes = prefix_hashes(known, bs, (len(known) - 1) // bs)
             matched = self.cache.match(hashes)
-        if self.cache.num_available < self._outstanding() + seq.reserve - len(matched):
+        if self.cache.num_available < self._outstanding() + self._need(seq) - len(matched):
             self.cache.release(matched)
             return False
         self.cache.hits += len(matched)
         seq.blocks, seq.cached, seq.hashes = matched, len(matched) * bs, hashes[: len(matched)]
+        if self.record_routing and matched and not seq.routing:  # computed for an earlier request: experts unknown
+            seq.routing = [torch.full((seq.cached, self._moe_layers, self.cfg.num_experts_per_tok), -1,
+                                      dtype=torch.int16)]
         self._running.append(seq)
         return True
 
@@ -261,12 +317,13 @@ class Engine:
         """Give sibling `seq` the leader's prompt cache: its full blocks shared, its partial block copied."""
         bs = self.cache.block_size
         full, rest = divmod(len(lead.prompt), bs)
-        if self.cache.num_available < self._outstanding() + seq.reserve - full:
+        if self.cache.num_available < self._outstanding() + self._need(seq) - full:
             return False
         shared = lead.blocks[:full]
         for b in shared:
             self.cache.refs[b] += 1
         seq.blocks, seq.cached, seq.hashes = list(shared), len(lead.prompt), lead.hashes[:full]
+        seq.routing = list(lead.routing)  # the prompt's experts: the leader's prefill is the sibling's
         seq.shareable = lead.shareable
         if rest:
             seq.blocks.append(self.cache.allocate())
@@ -281,10 +338,11 @@ class Engine:
 
         def take(seq: _Sequence) -> bool:
             nonlocal longest
-            width = max(longest, min(len(seq.prompt) - seq.cached, budget // (len(rows) + 1)))
+            left = seq.prefill_target - seq.cached
+            width = max(longest, min(left, budget // (len(rows) + 1)))
             if width < 1 or (len(rows) + 1) * width > budget:
                 return False
-            rows.append((seq, min(len(seq.prompt) - seq.cached, width)))
+            rows.append((seq, min(left, width)))
             longest = width
             return True
 
@@ -310,7 +368,7 @@ class Engine:
         self.prefill_tokens_computed += sum(n for _, n in rows)
         ready, ready_rows = [], []
         for b, (seq, _) in enumerate(rows):
-            if seq.prefilling:
+            if seq.prefilling or seq.tokens:  # tokens: a preempted sequence, recomputed; its next token is drawn
                 continue
             ready.append(seq)
             ready_rows.append(b)
@@ -325,6 +383,8 @@ class Engine:
         return self._sample_and_check(ready, logits[torch.tensor(ready_rows, device=self.device)])
 
     def _decode_step(self, seqs: list[_Sequence]) -> list[GenerationResult]:
+        if self.preemption:
+            seqs = self._make_room(seqs)
         logits = self._forward([(s, [s.tokens[-1]]) for s in seqs], absorbed=self.absorbed)
         return self._sample_and_check(seqs, logits)
 
@@ -375,10 +435,18 @@ class Engine:
         self.cache.release(seq.blocks)
         seq.blocks = []
 
-    def _weights_version(self) -> int:
-        # Every in-place write to a parameter or buffer bumps its version counter (optimizer steps, copy_).
-        model = self.model
-        return sum(t._version for t in model.parameters()) + sum(t._version for t in model.buffers())
+    def _weights_version(self) -> tuple[int, int]:
+        # Every in-place write to a parameter or buffer bumps its version counter (optimizer steps, copy_), and a
+        # replaced one (load_state_dict(assign=True), a new Parameter) changes the identity sum. The modules'
+        # own tensor dicts are read directly: model.parameters() walks the module tree through generators, which
+        # cost 0.6 ms per decode step on the tiny model (~6% of it), against 0.07 ms for this.
+        version = ident = 0
+        for tensors in self._weight_dicts:
+            for t in tensors.values():
+                if t is not None:
+                    version += t._version
+                    ident += id(t)
+        return version, ident
 
     @contextmanager
     def _inference_mode(self):
@@ -409,15 +477,18 @@ class Engine:
         for seq, total in zip((r[0] for r in rows), totals, strict=True):
             while len(seq.blocks) < cache.blocks_for(total):
                 seq.blocks.append(cache.allocate())
-        ids_BT = torch.zeros(b, t, dtype=torch.long)
-        for i, (_, ids) in enumerate(rows):
-            ids_BT[i, : len(ids)] = torch.tensor(ids)
-        ids_BT = ids_BT.to(dev)
+        # One host-to-tensor copy per input (a decode step's cost is mostly fixed per op, not per element).
+        ids_BT = torch.tensor([ids + [0] * (t - len(ids)) for _, ids in rows], device=dev)
         offsets = torch.arange(t, device=dev)
         positions_BT = torch.tensor(starts, device=dev)[:, None] + offsets
-        valid_BT = offsets[None, :] < torch.tensor(lens, device=dev)[:, None]
-        if all(n == s_len for n in totals) or (max(starts) == 0 and t == s_len):
-            # Equal lengths, or a fresh right-padded prefill (padding follows every real token): plain causal.
+        all_valid = all(n == t for n in lens)
+        lens_B = None if all_valid else torch.tensor(lens, device=dev)
+        valid_BT = None if all_valid else offsets[None, :] < lens_B[:, None]
+        if (all_valid and all(n == s_len for n in totals)) or (max(starts) == 0 and t == s_len):
+            # No padding and equal ends (every row's queries are its last t positions), or a fresh right-padded
+            # prefill (padding follows every real token): plain causal. Equal ends alone are not enough: a row
+            # with fewer new tokens (a longer prefix-cache hit) is right-padded, so its queries are not the last t
+            # positions (this once hid resumed partial rollouts' own recent tokens from them and broke RL).
             mask_B1TS = None
         else:
             # Key j is visible to new token i of row b iff j <= its position and j < the row's new length.
@@ -431,16 +502,22 @@ class Engine:
         read_rows_BS = table_BK[:, key_pos // bs] * bs + key_pos % bs  # past a row's length: masked, any row
         write_rows = [r for (seq, _), s, n in zip(rows, starts, lens, strict=True)
                       for r in cache.rows(seq.blocks, s, s + n)]
-        all_valid = all(n == t for n in lens)
-        attention = LatentCacheAttention(cache, torch.tensor(write_rows, device=dev),
-                                         None if all_valid else valid_BT, read_rows_BS, mask_B1TS, absorbed)
-        hidden_BTD = self.model.model(ids_BT, positions_BT, inner_attention=attention)
+        attention = LatentCacheAttention(cache, torch.tensor(write_rows, device=dev), valid_BT, read_rows_BS,
+                                         mask_B1TS, absorbed)
+        trace = RoutingTrace(self.cfg) if self.record_routing else None
+        hidden_BTD = self.model.model(ids_BT, positions_BT, inner_attention=attention, routing=trace)
+        if trace is not None:
+            used_BTLK = trace.used().view(b, t, -1, self.cfg.num_experts_per_tok).to("cpu", torch.int16)
+            for i, (seq, start, n) in enumerate(zip((r[0] for r in rows), starts, lens, strict=True)):
+                known = sum(len(r) for r in seq.routing)  # > start after a preemption: those stay as recorded
+                if start + n > known:
+                    seq.routing.append(used_BTLK[i, max(known - start, 0):n])
         for (seq, _), total in zip(rows, totals, strict=True):
             seq.cached = total
             if self.prefix_caching and seq.shareable:
                 self._name_full_blocks(seq)
-        last = torch.tensor(lens, device=dev) - 1
-        return self.model.lm_head(hidden_BTD[torch.arange(b, device=dev), last]).float()
+        last_BD = hidden_BTD[:, -1] if all_valid else hidden_BTD[torch.arange(b, device=dev), lens_B - 1]
+        return self.model.lm_head(last_BD).float()
 
     def _name_full_blocks(self, seq: _Sequence) -> None:
         """Register the sequence's newly filled blocks in the prefix table (prompt and generated tokens alike:

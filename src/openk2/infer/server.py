@@ -33,7 +33,7 @@ from openk2.infer.protocol import (
     ModelCard,
     ModelList,
 )
-from openk2.infer.streaming import StreamWriter
+from openk2.infer.streaming import NOTES_FIELD, StreamWriter
 
 log = logging.getLogger("openk2.serve")
 
@@ -305,6 +305,8 @@ class ChatService:
                 message["tool_calls"] = reply.tool_calls
             choice: dict[str, Any] = {"finish_reason": reply.finish_reason,
                                       "index": r.sample_index, "logprobs": None, "message": message}
+            if reply.notes:  # calls the parser dropped (unresolvable ids): said, not silently lost
+                choice[NOTES_FIELD] = reply.notes
             if prep.request.logprobs:
                 entries = self.logprob_entries(*self.format.completion_tokens(r))
                 choice["logprobs"] = {"content": entries, "refusal": None}
@@ -337,7 +339,8 @@ class ChatService:
         held = max((len(s) for s in prep.stops), default=1) - 1
         opts = prep.request.stream_options
         out = StreamWriter(request_id, self.model_name, int(time.time()), bool(opts and opts.include_usage))
-        states = [{"ids": [], "emitted": 0, "reply": self.format.reply_stream(prep.tools)} for _ in range(sink.n)]
+        states = [{"ids": [], "emitted": 0, "reply": self.format.reply_stream(prep.tools), "notes": []}
+                  for _ in range(sink.n)]
         completion_tokens = 0
         done = 0
         try:
@@ -363,6 +366,7 @@ class ChatService:
                     piece = text[st["emitted"]:safe] if safe > st["emitted"] else ""
                     st["emitted"] = max(st["emitted"], safe)
                     delta = st["reply"].feed(piece) if piece else ReplyDelta()
+                    st["notes"] += delta.notes
                     for chunk in out.deltas(i, delta, self.logprob_entries(ids, lps) if want_lp else None):
                         yield chunk
                     continue
@@ -378,10 +382,11 @@ class ChatService:
                 first, last = st["reply"].feed(piece), st["reply"].finish()
                 delta = ReplyDelta(first.reasoning + last.reasoning, first.content + last.content,
                                    first.tool_calls + last.tool_calls)
+                st["notes"] += first.notes + last.notes
                 new_lp = self.logprob_entries(ids[len(st["ids"]):], lps[len(st["ids"]):]) if want_lp else None
                 for chunk in out.deltas(i, delta, new_lp or None):
                     yield chunk
-                yield out.finish(i, result.finish_reason)
+                yield out.finish(i, result.finish_reason, st["notes"])
             usage = out.usage(self.usage(len(prep.prompt), completion_tokens))
             if usage is not None:
                 yield usage

@@ -23,6 +23,10 @@ from typing import Any
 from openk2.chat import ReplyDelta
 from openk2.chat.format import reply_finish_reason
 
+# A choice's openk2 extension field: notes on tool calls the parser dropped (an id naming no declared function),
+# on the non-streamed choice and on the streamed choice's last chunk; OpenAI clients keep unknown fields.
+NOTES_FIELD = "openk2_notes"
+
 
 class StreamWriter:
     """Builds the SSE chunks of one request; remembers which samples made tool calls."""
@@ -64,9 +68,14 @@ class StreamWriter:
             parts.append({})
         return [self._choice(i, part, logprobs if k == 0 else None) for k, part in enumerate(parts)]
 
-    def finish(self, i: int, finish_reason: str) -> bytes:
-        """The last chunk of sample i: an empty delta with the finish reason (`tool_calls` if it called)."""
-        return self._choice(i, {}, reason=reply_finish_reason(i in self.called, finish_reason))
+    def finish(self, i: int, finish_reason: str, notes: list[str] | None = None) -> bytes:
+        """The last chunk of sample i: an empty delta with the finish reason (`tool_calls` if it called), and the
+        notes on calls the parser dropped (choice field NOTES_FIELD) when there are any."""
+        choice = {"index": i, "delta": {}, "finish_reason": reply_finish_reason(i in self.called, finish_reason),
+                  "logprobs": None}
+        if notes:
+            choice[NOTES_FIELD] = list(notes)
+        return self._sse([choice])
 
     def usage(self, usage: dict) -> bytes | None:
         """The usage chunk (no choices), if the client asked for it."""
