@@ -70,3 +70,15 @@ def test_bad_arguments_are_value_errors():
         toolchat.generate(-1)
     with pytest.raises(ValueError, match="plain_fraction"):
         toolchat.generate(3, plain_fraction=1.5)
+
+
+def test_novel_entities_are_new_in_every_conversation_and_never_held_out():
+    novel = toolchat.generate(400, seed=0, novel_fraction=1.0)
+    entities = [_entities(c) for conv in novel for c in _calls(conv)]
+    flat = set().union(*entities)
+    assert not flat & set().union(*(_entities(p["expected"]) for p in toolchat.heldout_prompts(200, seed=0)))
+    cities = [e for es in entities for e in es if e.isalpha()]
+    assert cities and not set(cities) & set(toolchat.CITIES[0]) and len(set(cities)) > 0.5 * len(cities)
+    assert toolchat.generate(200, seed=3, novel_fraction=0.0) == toolchat.generate(200, seed=3)
+    with pytest.raises(ValueError, match="novel_fraction"):
+        toolchat.generate(3, novel_fraction=1.5)

@@ -1,4 +1,4 @@
-"""`openk2 experiment list` and `openk2 experiment NAME [--quick|--full] [--seed S] [--out-dir DIR]`."""
+"""`openk2 experiment list` and `openk2 experiment NAME [--quick|--full] [--seed S] [--seeds N] [--out-dir DIR]`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 from types import ModuleType
 
 from openk2.experiments import EXPERIMENTS
-from openk2.experiments.common import DEFAULT_RUNS_DIR
+from openk2.experiments.common import DEFAULT_RUNS_DIR, command_line
+from openk2.experiments.seeds import run_seeds
 
 
 def load_experiment(name: str) -> ModuleType:
@@ -20,7 +21,9 @@ def load_experiment(name: str) -> ModuleType:
     return importlib.import_module(EXPERIMENTS[name])
 
 
-def default_out_dir(runs_dir: Path, name: str, mode: str, seed: int) -> Path:
+def default_out_dir(runs_dir: Path, name: str, mode: str, seed: int, seeds: int = 1) -> Path:
+    if seeds > 1:
+        return runs_dir / f"{name}-{mode}-seeds{seed}-{seed + seeds - 1}"
     return runs_dir / f"{name}-{mode}-seed{seed}"
 
 
@@ -62,6 +65,9 @@ def experiment_main(argv: list[str] | None = None) -> int:
     size.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="a budget several times larger, for a GPU or a long CPU session")
     parser.add_argument("--seed", type=int, default=0, help="initialisation (and synthetic-data) seed")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="run seeds SEED .. SEED+N-1 (each into OUT/seed<S>/) and write OUT/report.md with "
+                             "means and 95%% confidence intervals")
     parser.add_argument("--out-dir", type=Path, help="run directory (default: RUNS_DIR/NAME-MODE-seedS)")
     parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS_DIR,
                         help=f"where runs go and where `list` looks (default: {DEFAULT_RUNS_DIR})")
@@ -76,7 +82,9 @@ def experiment_main(argv: list[str] | None = None) -> int:
         print(list_experiments(args.runs_dir))
         return 0
     module = load_experiment(args.name)
-    out_dir = args.out_dir or default_out_dir(args.runs_dir, args.name, args.mode, args.seed)
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
+    out_dir = args.out_dir or default_out_dir(args.runs_dir, args.name, args.mode, args.seed, args.seeds)
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
@@ -89,7 +97,13 @@ def experiment_main(argv: list[str] | None = None) -> int:
             raise ValueError(f"experiment {args.name!r} does not support --scale")
         kwargs["scale"] = args.scale
     try:
-        report = module.run(out_dir, args.mode, args.seed, **kwargs)
+        if args.seeds > 1:
+            command = command_line(args.name, args.mode, args.seed, out_dir, args.scale).replace(
+                f" --seed {args.seed}", f" --seed {args.seed} --seeds {args.seeds}")
+            report = run_seeds(module, args.name, out_dir, args.mode,
+                               list(range(args.seed, args.seed + args.seeds)), kwargs, command)
+        else:
+            report = module.run(out_dir, args.mode, args.seed, **kwargs)
     except KeyboardInterrupt as err:
         print(f"\nopenk2 experiment: stopped ({err or 'interrupted'}); finished arms in {out_dir} are reused when "
               "the same command runs again", file=sys.stderr)

@@ -245,6 +245,13 @@ class ConversationLoader:
         self.batches += 1
         return {key: torch.from_numpy(np.stack([r[key] for r in rows])) for key in rows[0]}
 
+    def next_row(self) -> dict[str, np.ndarray]:
+        """The next packed row alone ({input_ids, labels, segment_ids, position_ids} [seq_len] arrays)."""
+        row = self._next_row()
+        if row is None:
+            raise StopIteration
+        return row
+
     def _next_row(self) -> dict[str, np.ndarray] | None:
         parts, used = [], 0
         while not (self.epoch > 0 and not self.loop):

@@ -91,7 +91,10 @@ TIMEZONES = (
      "Australia/Sydney", "Asia/Kolkata", "Africa/Cairo", "America/Lima", "Europe/Madrid", "Asia/Seoul"],
     ["Asia/Singapore", "America/Denver", "Europe/Helsinki", "Africa/Lagos", "Pacific/Auckland"],
 )
-NUMBERS = (range(2, 60), range(60, 100))  # calculator operands and conversion values
+NUMBERS = (range(2, 60), range(60, 100), range(100, 1000))  # calculator operands and conversion values
+NOVEL = 2  # the third "pool": made-up cities and zones, 3-digit numbers (training only, see `generate`)
+SYLLABLES = ["ka", "lo", "mi", "ren", "do", "sa", "vel", "tor", "ni", "bra", "quo", "zan", "pe", "lu", "gor"]
+REGIONS = ["Europe", "Asia", "America", "Africa", "Australia"]
 CONDITIONS = ["sunny", "cloudy", "rainy", "windy", "foggy", "snowy"]
 # (from, to, factor or None for temperature, phrase for the unit names)
 CONVERSIONS = [
@@ -117,8 +120,26 @@ class ToolTask:
     answer: str
 
 
+def _novel_name(rng: random.Random, taken: set[str]) -> str:
+    while True:
+        name = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+        if name not in taken:
+            return name
+
+
+def _city(rng: random.Random, pool: int) -> str:
+    return _novel_name(rng, set(CITIES[0]) | set(CITIES[1])) if pool == NOVEL else rng.choice(CITIES[pool])
+
+
+def _zone(rng: random.Random, pool: int) -> str:
+    if pool != NOVEL:
+        return rng.choice(TIMEZONES[pool])
+    taken = {zone.split("/")[-1] for zone in TIMEZONES[0] + TIMEZONES[1]}
+    return f"{rng.choice(REGIONS)}/{_novel_name(rng, taken)}"
+
+
 def _weather(rng: random.Random, pool: int) -> ToolTask:
-    city = rng.choice(CITIES[pool])
+    city = _city(rng, pool)
     unit = rng.choice([None, None, "celsius", "fahrenheit"])
     templates = ["What's the weather in {c}?", "How is the weather in {c} today?", "Is it raining in {c}?",
                  "Weather for {c}, please.", "Tell me the weather in {c}."]
@@ -163,7 +184,7 @@ def _convert(rng: random.Random, pool: int) -> ToolTask:
 
 
 def _time(rng: random.Random, pool: int) -> ToolTask:
-    zone = rng.choice(TIMEZONES[pool])
+    zone = _zone(rng, pool)
     clock = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
     templates = ["What time is it in {z}?", "Current time in {z}?", "Tell me the time in the {z} time zone.",
                  "What's the local time for {z}?"]
@@ -226,15 +247,27 @@ def _plain_conversation(rng: random.Random) -> dict:
     return conversation
 
 
-def generate(n: int, seed: int = 0, plain_fraction: float = 0.2) -> list[dict]:
-    """`n` training conversations ({"messages", "tools"?}); the same (n, seed) always gives the same list."""
+def generate(n: int, seed: int = 0, plain_fraction: float = 0.2, novel_fraction: float = 0.0) -> list[dict]:
+    """`n` training conversations ({"messages", "tools"?}); the same arguments always give the same list.
+
+    A share `novel_fraction` of the tool conversations use made-up entities (city and zone names from
+    syllables, 3-digit numbers) that no other conversation repeats, so their arguments can only be copied from
+    the request, never recalled; none equals a held-out entity."""
     if n < 0:
         raise ValueError(f"n must be non-negative, got {n}")
     if not 0 <= plain_fraction <= 1:
         raise ValueError(f"plain_fraction must lie in [0, 1], got {plain_fraction}")
+    if not 0 <= novel_fraction <= 1:
+        raise ValueError(f"novel_fraction must lie in [0, 1], got {novel_fraction}")
     rng = random.Random(f"toolchat-train-{seed}")
-    return [_plain_conversation(rng) if rng.random() < plain_fraction else _tool_conversation(rng, 0)
-            for i in range(n)]
+    conversations = []
+    for _ in range(n):
+        if rng.random() < plain_fraction:
+            conversations.append(_plain_conversation(rng))
+        else:
+            pool = NOVEL if novel_fraction and rng.random() < novel_fraction else 0
+            conversations.append(_tool_conversation(rng, pool))
+    return conversations
 
 
 def heldout_prompts(n: int, seed: int = 0) -> list[dict]:

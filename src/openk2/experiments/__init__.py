@@ -13,4 +13,5 @@ EXPERIMENTS: dict[str, str] = {
     "sparsity": "openk2.experiments.sparsity",
     "heads": "openk2.experiments.heads",
     "rephrase-vs-repeat": "openk2.experiments.rephrase_vs_repeat",
+    "long-context": "openk2.experiments.long_context",
 }

@@ -9,18 +9,23 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
+from tqdm import tqdm
 
 from openk2.train.config import RunConfig
 from openk2.train.metrics import read_metrics
 
+T = TypeVar("T")
 MODES = ("quick", "full")
 CURVE_FILE = "curve.json"
+RESULTS_FILE = "results.json"
 DEFAULT_RUNS_DIR = Path("runs/experiments")
 
 # The experiments' base model: K2's structure (MLA with low-rank q and kv and decoupled rope, one dense layer
@@ -181,8 +186,12 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def write_report(out_dir: Path, *, title: str, setup: str, table: str, conclusion: str, command: str,
-                 plots: list[Path], extra: str = "") -> Path:
-    """report.md: setup, results table, one-paragraph conclusion, the plots and the command that made it."""
+                 plots: list[Path], extra: str = "", metrics: dict[str, float] | None = None) -> Path:
+    """report.md: setup, results table, one-paragraph conclusion, the plots and the command that made it; with
+    `metrics`, also results.json (the headline numbers `--seeds N` aggregates)."""
+    if metrics is not None:
+        write_atomic(out_dir / RESULTS_FILE, json.dumps({"title": title, "command": command, "metrics": metrics},
+                                                        indent=1))
     parts = [f"# {title}", "", "## Setup", "", setup.strip(), "", "## Results", "", table.strip(), ""]
     if extra:
         parts += [extra.strip(), ""]
@@ -264,3 +273,21 @@ def throughput_note(curves: dict[str, Curve]) -> str:
     rate = median([c.tokens_per_s for c in curves.values()])
     return (f"Cost on this machine: {fmt_tokens(tokens)} training tokens in {seconds / 60:.1f} min "
             f"(median {rate:,.0f} tokens/s per arm, validation included; the machine may have been shared).")
+
+
+def progress(iterable: Iterable[T], label: str, every_s: float = 30.0) -> Iterator[T]:
+    """tqdm on a terminal; otherwise (a log file, a pipe) a flushed line at the start, every `every_s` seconds
+    and at the end, so a long experiment is never silent."""
+    items = list(iterable)
+    total = len(items)
+    if sys.stderr.isatty():
+        yield from tqdm(items, desc=label, unit="step")
+        return
+    start = last = time.perf_counter()
+    print(f"{label}: 0/{total}", file=sys.stderr, flush=True)
+    for i, item in enumerate(items):
+        yield item
+        now = time.perf_counter()
+        if now - last >= every_s or i + 1 == total:
+            last = now
+            print(f"{label}: {i + 1}/{total} ({now - start:.0f} s)", file=sys.stderr, flush=True)

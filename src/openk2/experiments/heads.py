@@ -134,7 +134,10 @@ def run(out_dir: Path, mode: str, seed: int, scale: float = 1.0) -> Path:
         f"(noisy when the machine is shared). {throughput_note(curves)}")
     return write_report(out_dir, title=f"Attention heads doubled ({mode_label(mode, scale)})", setup=setup, table=table,
                         conclusion=_conclusion(gain, k2_increase, latency) + reduced_note(budget.steps, mode, scale),
-                        command=command_line("heads", mode, seed, out_dir, scale), plots=plots)
+                        command=command_line("heads", mode, seed, out_dir, scale), plots=plots,
+                        metrics={f"final val loss, {few.label}": few.final_val_loss,
+                                 f"final val loss, {many.label}": many.final_val_loss,
+                                 "val-loss gain from doubling heads": gain})
 
 
 def _plot_k2_flops(path: Path, k2: ModelConfig, k2_double: ModelConfig) -> Path:

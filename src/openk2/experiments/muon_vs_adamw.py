@@ -101,7 +101,9 @@ def run(out_dir: Path, mode: str, seed: int, scale: float = 1.0) -> Path:
     conclusion += reduced_note(budget.steps, mode, scale)
     return write_report(out_dir, title=f"Muon vs AdamW ({mode_label(mode, scale)})", setup=setup, table=table,
                         conclusion=conclusion, command=command_line("muon-vs-adamw", mode, seed, out_dir, scale),
-                        plots=plots)
+                        plots=plots, metrics={"final val loss, best AdamW": adamw.final_val_loss,
+                                              "final val loss, best Muon": muon.final_val_loss,
+                                              **({} if ratio is None else {"Muon tokens / AdamW tokens": ratio})})
 
 
 def _conclusion(adamw: Curve, muon: Curve, needed: float | None, ratio: float | None) -> str:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from openk2.config import ModelConfig
 from openk2.experiments.common import (
@@ -27,6 +26,7 @@ from openk2.experiments.common import (
     micro_budget,
     mode_label,
     plot_lines,
+    progress,
     reduced_note,
     scaled,
     write_atomic,
@@ -95,7 +95,7 @@ def train_induction(task: InductionTask, budget: Budget, tau: float | None, seed
     data = torch.Generator().manual_seed(seed)
     losses, max_logits, clipped = [], [], []
     start = time.perf_counter()
-    for step in tqdm(range(budget.steps), desc=label, unit="step", disable=None):
+    for step in progress(range(budget.steps), label):
         optimizer.set_lr(wsd_lr(step, schedule))
         ids = task.batch(budget.batch_size, data)
         seen = ForwardStats(model.config, track_max_logits=True)
@@ -186,7 +186,13 @@ def run(out_dir: Path, mode: str, seed: int, scale: float = 1.0) -> Path:
         f"{_at(vanilla['max_logit'], 50):.1f}.")
     return write_report(out_dir, title=f"QK-Clip at small scale ({mode_label(mode, scale)})", setup=setup, table=table,
                         conclusion=conclusion + reduced_note(budget.steps, mode, scale),
-                        command=command_line("qk-clip", mode, seed, out_dir, scale), plots=plots)
+                        command=command_line("qk-clip", mode, seed, out_dir, scale), plots=plots,
+                        metrics={"peak max logit, vanilla Muon": max(vanilla["max_logit"]),
+                                 "peak max logit, MuonClip": max(clipped["max_logit"]),
+                                 "held-out loss, vanilla Muon": vanilla["eval_loss"],
+                                 "held-out loss, MuonClip": clipped["eval_loss"],
+                                 "share of heads ever clipped": summary["fraction"],
+                                 "last clipped step / steps": summary["last_clip_share"]})
 
 
 def _conclusion(vanilla: dict, clipped: dict, summary: dict, budget: Budget, task: InductionTask) -> str:

@@ -94,7 +94,10 @@ def run(out_dir: Path, mode: str, seed: int, scale: float = 1.0) -> Path:
         f"interpolation on its validation curve), as a ratio. {throughput_note(curves)}")
     return write_report(out_dir, title=f"MoE sparsity ({mode_label(mode, scale)})", setup=setup, table=table,
                         conclusion=_conclusion(by_s, savings) + reduced_note(budget.steps, mode, scale),
-                        command=command_line("sparsity", mode, seed, out_dir, scale), plots=plots)
+                        command=command_line("sparsity", mode, seed, out_dir, scale), plots=plots,
+                        metrics={**{f"final val loss, sparsity {s}": c.final_val_loss for s, c in by_s.items()},
+                                 **{f"FLOPs saved by sparsity 48 vs {s}": v for s, v in savings.items()
+                                    if v is not None}})
 
 
 def _conclusion(by_s: dict[int, Curve], savings: dict[int, float | None]) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from openk2.config import ModelConfig
-from openk2.configfile import build_section, check_keys, check_table, check_type, load_config, table_errors
+from openk2.configfile import ConfigError, build_section, check_keys, check_table, check_type, load_config, table_errors
 from openk2.data.conversations import OVERLONG_POLICIES
 from openk2.data.corpus import CorpusConfig
 from openk2.optim.schedule import WSDConfig
@@ -21,6 +21,7 @@ from openk2.train.parallel.config import ParallelConfig
 
 PRECISIONS = ("auto", "fp32", "bf16")
 BAD_STEP_POLICIES = ("skip", "stop")
+ROPE_MODES = ("model", "plain", "yarn")
 
 
 @dataclass(kw_only=True)
@@ -112,8 +113,12 @@ class TrainSection:
     on_bad_step: str = "skip"  # what a NaN/inf or spiking loss does: skip the update, or stop the run
     tensorboard: bool = False
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    compile: bool = False  # torch.compile each decoder block (model/compile.py); measured in docs/benchmarks.md
+    loss_chunk_tokens: int = 0  # > 0: the loss over the vocabulary this many tokens at a time (no [N, V] logits)
 
     def __post_init__(self) -> None:
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"train.loss_chunk_tokens must be >= 0, got {self.loss_chunk_tokens}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.on_bad_step not in BAD_STEP_POLICIES:
@@ -121,6 +126,49 @@ class TrainSection:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class StageSection:
+    """One `[[stages]]` entry: a segment of the run with its own length, RoPE, batch, data mixture and learning
+    rate (openk2.train.stages resolves and applies it; without `[[stages]]` the run is one stage)."""
+
+    name: str
+    steps: int  # optimizer steps in this stage; 0: a stage that only sets the final model's RoPE and length
+    seq_len: int | None = None  # default: data.seq_len
+    batch_size: int | None = None  # default: train.batch_size
+    grad_accum: int | None = None  # default: train.grad_accum
+    rope: str = "model"  # "model": [model].rope_scaling as is; "plain": no scaling; "yarn": YaRN (see `yarn`)
+    yarn: dict[str, Any] = field(default_factory=dict)  # rope_scaling keys over [model]'s yarn (factor, ...)
+    max_position_embeddings: int | None = None  # default: [model]'s
+    lr_ratio: float | None = None  # None: [schedule] at the global step; else lr = lr_ratio x optim.lr ...
+    lr_ratio_end: float | None = None  # ... moving linearly to lr_ratio_end x optim.lr (default: constant)
+    qk_clip_tau: float | None = None  # default: optim.qk_clip_tau x (this stage's softmax scale / the first's)
+    sources: list[dict[str, Any]] | None = None  # default: data.sources (the same stream continues)
+
+    def __post_init__(self) -> None:
+        where = f"stage {self.name!r}"
+        if not self.name:
+            raise ValueError("every stage needs a non-empty name")
+        if self.steps < 0:
+            raise ValueError(f"{where}: steps must be >= 0, got {self.steps}")
+        if self.rope not in ROPE_MODES:
+            raise ValueError(f"{where}: rope must be one of {ROPE_MODES}, got {self.rope!r}")
+        if self.yarn and self.rope != "yarn":
+            raise ValueError(f"{where}: yarn settings need rope = \"yarn\" (got rope = {self.rope!r})")
+        for name in ("seq_len", "batch_size", "grad_accum", "max_position_embeddings"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{where}: {name} must be at least 1, got {value}")
+        if self.lr_ratio_end is not None and self.lr_ratio is None:
+            raise ValueError(f"{where}: lr_ratio_end needs lr_ratio")
+        for name in ("lr_ratio", "lr_ratio_end"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{where}: {name} must be >= 0, got {value}")
+        if self.qk_clip_tau is not None and self.qk_clip_tau <= 0:
+            raise ValueError(f"{where}: qk_clip_tau must be positive (turn QK-Clip off in [optim]), "
+                             f"got {self.qk_clip_tau}")
 
 
 @dataclass(kw_only=True)
@@ -134,22 +182,34 @@ class SFTSection:
     generate: int = 0  # add this many openk2.data.toolchat conversations to the training data
     generate_seed: int = 0
     plain_fraction: float = 0.2  # share of generated conversations that are plain chat (no tool needed)
+    novel_fraction: float = 0.0  # share of generated tool conversations with made-up entities (copy, not recall)
     val_fraction: float = 0.05
     seq_len: int = 512  # tokens per packed row
     overlong: str = "truncate"  # a conversation longer than seq_len: "truncate" it or "skip" it
     eval_prompts: int = 48  # held-out toolchat prompts for the tool-call rate before/after; 0 turns it off
     eval_seed: int = 0
     eval_max_tokens: int = 64
+    synth_files: list[str] = field(default_factory=list)  # `openk2 synth run` output dirs (their sft.jsonl) or files
+    synth_heldout: float = 0.1  # share of synthesized tasks (by task id) held out to score tool calls
+    synth_eval_prompts: int = 48  # at most this many held-out synthesized prompts scored before/after
+    pretrain_fraction: float = 0.0  # share of training rows that are [data] corpus text (loss on all tokens)
+    perplexity_windows: int = 64  # [data] validation windows whose perplexity is measured before/after; 0: off
 
     def __post_init__(self) -> None:
+        if not 0 <= self.pretrain_fraction < 1:
+            raise ValueError(f"sft.pretrain_fraction must lie in [0, 1), got {self.pretrain_fraction}")
+        if not 0 <= self.synth_heldout < 1:
+            raise ValueError(f"sft.synth_heldout must lie in [0, 1), got {self.synth_heldout}")
+        if self.synth_eval_prompts < 0 or self.perplexity_windows < 0:
+            raise ValueError("sft.synth_eval_prompts and sft.perplexity_windows must be non-negative")
         if self.overlong not in OVERLONG_POLICIES:
             raise ValueError(f"sft.overlong must be one of {OVERLONG_POLICIES}, got {self.overlong!r}")
         if self.seq_len < 2:
             raise ValueError(f"sft.seq_len must be at least 2, got {self.seq_len}")
         if self.generate < 0 or self.eval_prompts < 0:
             raise ValueError("sft.generate and sft.eval_prompts must be non-negative")
-        if not self.train_files and self.generate == 0:
-            raise ValueError("sft needs training data: set sft.train_files and/or sft.generate")
+        if not self.train_files and self.generate == 0 and not self.synth_files:
+            raise ValueError("sft needs training data: set sft.train_files, sft.generate and/or sft.synth_files")
 
 
 @dataclass(kw_only=True)
@@ -163,12 +223,14 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torchrun layout: pp x dp x ep ranks
     memory: MemorySection = field(default_factory=MemorySection)  # recompute / FP8 activations / CPU offload
     sft: SFTSection | None = None  # the [sft] table of `openk2 sft` runs
+    stages: list[StageSection] = field(default_factory=list)  # [[stages]]: none = one stage, the run as a whole
     out_dir: str = "runs/tiny"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
         raw = dict(raw)
-        sections = {"model", "tokenizer", "data", "optim", "schedule", "train", "parallel", "memory", "sft", "out_dir"}
+        sections = {"model", "tokenizer", "data", "optim", "schedule", "train", "parallel", "memory", "sft", "stages",
+                    "out_dir"}
         check_keys(raw, sections, "unknown section(s)")
         check_table(ModelConfig, "model", raw.get("model", {}), extra={"preset": str})
         model = dict(raw.get("model", {}))
@@ -179,16 +241,19 @@ class RunConfig:
         with table_errors("data"):
             data = CorpusConfig.from_dict(raw.get("data", {}))
         check_type(raw.get("out_dir", ""), str, "out_dir")
+        stages = _build_stages(raw)
+        train = build_section(TrainSection, "train", _stage_steps(raw, stages))
         return cls(
             model=model_cfg,
             tokenizer=build_section(TokenizerSection, "tokenizer", raw.get("tokenizer", {})),
             data=data,
             optim=build_section(OptimSection, "optim", raw.get("optim", {})),
             schedule=build_section(ScheduleSection, "schedule", raw.get("schedule", {})),
-            train=build_section(TrainSection, "train", raw.get("train", {})),
+            train=train,
             parallel=build_section(ParallelConfig, "parallel", raw.get("parallel", {})),
             memory=build_section(MemorySection, "memory", raw.get("memory", {})),
             sft=build_section(SFTSection, "sft", raw["sft"]) if "sft" in raw else None,
+            stages=stages,
             out_dir=raw.get("out_dir", "runs/tiny"),
         )
 
@@ -199,8 +264,35 @@ class RunConfig:
             "schedule": dataclasses.asdict(self.schedule), "train": dataclasses.asdict(self.train),
             "parallel": dataclasses.asdict(self.parallel), "memory": dataclasses.asdict(self.memory),
             **({"sft": dataclasses.asdict(self.sft)} if self.sft is not None else {}),
+            **({"stages": [dataclasses.asdict(s) for s in self.stages]} if self.stages else {}),
             "out_dir": self.out_dir,
         }
+
+
+def _build_stages(raw: dict[str, Any]) -> list[StageSection]:
+    stages = raw.get("stages", [])
+    if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
+        raise ConfigError("stages must be an array of tables ([[stages]])", "stages")
+    built = [build_section(StageSection, f"stages[{i}]", s) for i, s in enumerate(stages)]
+    names = [s.name for s in built]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"stage names must be unique, got {names}", "stages")
+    if built and sum(s.steps for s in built) == 0:
+        raise ConfigError("the stages have no steps to train", "stages")
+    return built
+
+
+def _stage_steps(raw: dict[str, Any], stages: list[StageSection]) -> dict[str, Any]:
+    """The [train] table with steps = the stages' total (a different explicit train.steps is an error)."""
+    train = dict(raw.get("train", {}))
+    if not stages:
+        return train
+    total = sum(s.steps for s in stages)
+    if "steps" in train and train["steps"] != total:
+        raise ConfigError(f"train.steps = {train['steps']} but the stages add up to {total} steps; set "
+                          f"train.steps = {total} or leave it out", "train.steps")
+    train["steps"] = total
+    return train
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

@@ -4,14 +4,17 @@ tool-use conversations, loss on assistant tokens only, conversations packed but 
 The loop is the pre-training Trainer's (schedule, MuonClip, bad-step handling, metrics, plots, atomic and
 resumable checkpoints); `SFTTrainer` only swaps what it is built from: the initial weights and tokenizer come
 from `sft.init_from`, batches from a ConversationLoader, and the forward pass takes segment and position ids.
-Around the run, `openk2 sft` measures the rate of well-formed K2 tool calls on held-out prompts before and
-after, and writes it to `toolcall_eval.json` in the run directory.
+The training stream mixes the conversations (files, procedural tool chat, synthesized trajectories) with a
+share `sft.pretrain_fraction` of pre-training rows (`openk2.train.sft_mixture`). Around the run, `openk2 sft`
+measures the rate of well-formed K2 tool calls on held-out prompts (procedural and synthesized) and the
+corpus perplexity before and after, and writes them to `toolcall_eval.json` in the run directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -33,6 +36,7 @@ from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.train.checkpoint import CheckpointManager, verify_checkpoint
 from openk2.train.config import RunConfig, SFTSection
 from openk2.train.flops import training_flops_per_token
+from openk2.train.sft_mixture import MixedLoader, SynthData, pretrain_loader, read_synthesized, tool_call_prompts
 from openk2.train.toolcall_eval import ToolCallScore, evaluate_tool_calls
 from openk2.train.trainer import Trainer
 
@@ -86,7 +90,7 @@ class SFTTrainer(Trainer):
         # A resumed run then loads its own checkpoint over these weights.
         return K2ForCausalLM.from_pretrained(self.init_checkpoint, dtype=torch.float32)
 
-    def _build_train_loader(self) -> ConversationLoader:
+    def _build_train_loader(self) -> MixedLoader:
         train, val = self._conversations()
         tok, seq_len = self.tokenizer, self.sft.seq_len
         self.train_data = tokenize_conversations(train, tok, seq_len, self.sft.overlong)
@@ -95,19 +99,45 @@ class SFTTrainer(Trainer):
             print(f"sft {name}: {len(data)} conversations, {len(data.tokens):,} tokens "
                   f"({data.mask.mean():.0%} assistant), {data.truncated} truncated, {data.skipped} skipped "
                   f"(seq_len {seq_len})", file=sys.stderr)
-        return ConversationLoader(self.train_data, self.cfg.train.batch_size, seq_len, tok.pad_id,
-                                  seed=self.cfg.train.seed)
+        conversations = ConversationLoader(self.train_data, self.cfg.train.batch_size, seq_len, tok.pad_id,
+                                           seed=self.cfg.train.seed)
+        fraction = self.sft.pretrain_fraction
+        corpus = pretrain_loader(self.cfg.data, tok, seq_len) if fraction > 0 else None
+        if corpus is not None:
+            print(f"sft mixture: {fraction:.1%} of rows are pre-training text ({len(self.cfg.data.sources)} "
+                  f"[data] sources, train split, loss on all tokens)", file=sys.stderr)
+        return MixedLoader(conversations, corpus, fraction, self.cfg.train.batch_size)
 
     def _conversations(self) -> tuple[list[dict], list[dict]]:
         sft = self.sft
         train = [c for path in sft.train_files for c in read_conversations(path)]
         if sft.generate:
-            generated = toolchat.generate(sft.generate, sft.generate_seed, sft.plain_fraction)
+            generated = toolchat.generate(sft.generate, sft.generate_seed, sft.plain_fraction, sft.novel_fraction)
             write_conversations(self.out_dir / GENERATED_FILE, generated)  # what the run learned from, to inspect
             train += generated
+        self.synth = SynthData()
+        if sft.synth_files:
+            self.synth = read_synthesized(sft.synth_files, sft.synth_heldout, seed=sft.eval_seed)
+            print(f"sft synthesized data: {self.synth.summary()}", file=sys.stderr)
+            if not self.synth.train:
+                print("sft: warning: the synthesized data holds no training trajectory", file=sys.stderr)
+            train += self.synth.train
+        if not train:
+            raise ValueError("sft has no training conversations (the synthesized data is empty and nothing else "
+                             "is configured)")
         if sft.val_files:
             return train, [c for path in sft.val_files for c in read_conversations(path)]
         return split_conversations(train, sft.val_fraction, seed=sft.generate_seed)
+
+    def _bad_loss(self, loss: float) -> str | None:
+        # A step whose batches hold pre-training rows has a higher mean loss by construction (every corpus token
+        # is a target, at pre-training loss, and outnumbers the assistant tokens), so comparing it with the
+        # running mean would skip exactly those steps; there only a non-finite loss is bad.
+        loader: MixedLoader = self.train_loader
+        rows_this_step = self.cfg.train.batch_size * self.cfg.train.grad_accum
+        if loader.pretrain_rows() > math.floor((loader.rows - rows_this_step) * loader.fraction):
+            return None if math.isfinite(loss) else f"non-finite loss ({loss})"
+        return super()._bad_loss(loss)
 
     def _val_loader(self) -> ConversationLoader:
         return ConversationLoader(self.val_data, self.cfg.train.batch_size, self.sft.seq_len, self.tokenizer.pad_id,
@@ -128,6 +158,21 @@ class SFTTrainer(Trainer):
             return None
         prompts = toolchat.heldout_prompts(self.sft.eval_prompts, self.sft.eval_seed)
         return evaluate_tool_calls(model or self.model, self.tokenizer, prompts, self.sft.eval_max_tokens)
+
+    def score_synth_tool_calls(self, model: K2ForCausalLM | None = None) -> ToolCallScore | None:
+        """The same scores on the held-out synthesized tasks (None when there are none)."""
+        prompts = tool_call_prompts(self.synth.heldout)[:self.sft.synth_eval_prompts]
+        if not prompts:
+            return None
+        return evaluate_tool_calls(model or self.model, self.tokenizer, prompts, self.sft.eval_max_tokens)
+
+    def mixture_counts(self) -> dict:
+        """Rows and labelled tokens the run has trained on so far, per kind (conversations, pre-training)."""
+        loader: MixedLoader = self.train_loader
+        labels = loader.labels
+        total = max(sum(labels.values()), 1)
+        return {"pretrain_fraction": loader.fraction, "rows": loader.rows, "pretrain_rows": loader.pretrain_rows(),
+                "labelled_tokens": dict(labels), "pretrain_label_share": labels["pretrain"] / total}
 
 
 def write_json(path: Path, record: dict) -> None:

@@ -29,6 +29,8 @@ class ToolCallScore:
     correct_tool: int  # well-formed and the first call is to the expected tool
     exact_arguments: int  # ... and its arguments equal the expected ones
     examples: list[str] = field(default_factory=list)  # the first few raw responses, for eyeballing
+    prompt_tokens_median: float = 0.0  # prompt lengths (template, tool declarations and turns), in tokens
+    prompt_tokens_max: int = 0
 
     @property
     def well_formed_rate(self) -> float:
@@ -87,4 +89,7 @@ def evaluate_tool_calls(model: torch.nn.Module, tokenizer: K2Tokenizer, prompts:
             totals[key] += int(hit)
         if len(examples) < keep_examples:
             examples.append(text)
-    return ToolCallScore(prompts=len(prompts), examples=examples, **totals)
+    lengths = sorted(map(len, ids))
+    median = (lengths[(len(lengths) - 1) // 2] + lengths[len(lengths) // 2]) / 2
+    return ToolCallScore(prompts=len(prompts), examples=examples, prompt_tokens_median=median,
+                         prompt_tokens_max=lengths[-1], **totals)

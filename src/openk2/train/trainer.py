@@ -19,8 +19,8 @@ from tqdm import tqdm
 from openk2.data.loader import PackedLoader
 from openk2.data.unigram import unigram_baseline
 from openk2.model import ForwardStats, K2ForCausalLM
+from openk2.model.compile import compile_blocks, compile_seconds
 from openk2.optim.muonclip import ClipWindow, MuonClip, max_logits_due
-from openk2.optim.schedule import wsd_lr
 from openk2.rng import capture_rng_state, restore_rng_state, seed_everything
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import RunConfig
@@ -37,6 +37,7 @@ from openk2.train.flops import measure_matmul_peak, training_flops_per_token
 from openk2.train.memory import apply_memory_options
 from openk2.train.metrics import MetricsLogger, plot_run
 from openk2.train.setup import prepare_tokenizer, resolve_device, resolve_precision
+from openk2.train.stages import StagePlan, apply_model_config
 
 
 class BadStepError(RuntimeError):
@@ -58,7 +59,9 @@ class Trainer:
     """Owns the model, optimizer, loaders and run directory of one pre-training run."""
 
     def __init__(self, cfg: RunConfig, out_dir: str | Path | None = None, resume: bool = False) -> None:
-        self.cfg = cfg
+        # `run_cfg` is the config as written; `cfg` is the current stage's view of it (openk2.train.stages).
+        self.run_cfg = cfg
+        self.plan = StagePlan(cfg)
         self.out_dir = Path(out_dir or cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         tc = cfg.train
@@ -70,13 +73,19 @@ class Trainer:
         resume_from = self._find_resume() if resume else None
         if resume and resume_from is None:
             print(f"note: no complete checkpoint in {self.ckpts.root}; starting from scratch", file=sys.stderr)
+        self.stage = self.plan.stages[self._saved_stage(resume_from) if resume_from is not None else 0]
+        self.cfg = self.stage.cfg
 
         seed_everything(tc.seed)
         self.tokenizer = prepare_tokenizer(cfg, self.out_dir, resume_from)
         self.model = self._build_model().to(self.device)
         self.memory = apply_memory_options(self.model, cfg.memory)  # [memory]: recompute, FP8 saves, offload
+        if tc.compile:  # after the memory wrappers, as torchtitan orders AC and compile
+            compile_blocks(self.model)
+        self.model.loss_chunk_tokens = tc.loss_chunk_tokens  # 0: the plain loss over whole logits
         self.optimizer = self._build_optimizer()
-        self.schedule = cfg.schedule.build(tc.steps, cfg.optim.lr)
+        self._set_tau(self.stage.tau)
+        self.schedule = self.plan.build_schedule()
         self.train_loader = self._build_train_loader()
         self.step = 0
         self.tokens_seen = 0
@@ -85,11 +94,13 @@ class Trainer:
         if resume_from is not None:
             self._load_checkpoint(resume_from)
         self.unigram = self._unigram_baseline()
-        self.flops_per_token = training_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.flops_per_token = training_flops_per_token(self.cfg.model, self.cfg.data.seq_len)
         self.peak_flops = measure_matmul_peak(self.autocast_dtype or torch.float32, self.device)
         self._stop_requested = False
         self._mid_step = False
         (self.out_dir / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+        if self.plan.explicit and self.is_main:
+            print(self.stage.describe(len(self.plan.stages)), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------------------------------ loop
     def run(self, max_steps: int | None = None) -> RunSummary:
@@ -100,10 +111,12 @@ class Trainer:
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         window_loss, window_tokens, window_start = [], 0, time.perf_counter()
         tokens_per_s, val_loss, last_ckpt = 0.0, None, None
+        last_note = time.perf_counter() - self.PROGRESS_EVERY_S
         bar = tqdm(total=stop_at, initial=self.step, desc=self.progress_label, unit="step", dynamic_ncols=True,
                    disable=None if self.is_main else True)
         try:
             while self.step < stop_at and not self._should_stop():
+                self._sync_stage()
                 record = self._train_step()
                 bar.update(1)
                 if record.get("skipped"):
@@ -116,6 +129,8 @@ class Trainer:
                     tokens_per_s = window_tokens / elapsed
                     record.update(loss=float(np.mean(window_loss)), tokens_per_s=tokens_per_s,
                                   mfu=tokens_per_s * self.flops_per_token / self.peak_flops)
+                    if tc.compile:  # seconds spent compiling so far (the first window's tok/s includes them)
+                        record["compile_s"] = compile_seconds()
                     window_loss, window_tokens, window_start = [], 0, time.perf_counter()
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
                                     max_logit=f"{record.get('max_logit', float('nan')):.1f}")
@@ -124,8 +139,13 @@ class Trainer:
                         val_loss = self.evaluate()
                         record.update(val_loss=val_loss, unigram_val_loss=self.unigram)
                     self.metrics.log(record)
+                    if bar.disable and self.is_main:  # no terminal (a log file, a pipe): flushed lines instead
+                        last_note = self._note_progress(record, stop_at, last_note)
                 if self.step % tc.checkpoint_every == 0:
                     last_ckpt = self.save_checkpoint()
+            if self.step == tc.steps and self.stage.index != self.plan.index_at(self.step):
+                self._enter_stage(self.plan.index_at(self.step), model_only=True)  # trailing 0-step stages
+                last_ckpt = self.save_checkpoint()
         finally:
             bar.close()
             for sig, handler in previous.items():
@@ -141,6 +161,19 @@ class Trainer:
         plots = plot_run(self.out_dir) if self.is_main else []
         return RunSummary(self.out_dir, self.step, last_ckpt, val_loss, self.unigram, tokens_per_s, plots)
 
+    PROGRESS_EVERY_S = 30.0  # without a terminal: a progress line at least this far apart (and at validations)
+
+    def _note_progress(self, record: dict, stop_at: int, last: float) -> float:
+        """Print one flushed progress line when validation ran, the run ends, or PROGRESS_EVERY_S has passed."""
+        now = time.perf_counter()
+        if "val_loss" not in record and self.step != stop_at and now - last < self.PROGRESS_EVERY_S:
+            return last
+        stage = f" [{self.stage.name}]" if self.plan.explicit else ""
+        val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+        print(f"{self.progress_label}{stage} step {self.step}/{stop_at} loss {record['loss']:.4f}{val} "
+              f"tok/s {record['tokens_per_s']:,.0f}", file=sys.stderr, flush=True)
+        return now
+
     def _train_step(self) -> dict:
         self._mid_step = True
         try:
@@ -153,7 +186,7 @@ class Trainer:
 
     def _optimizer_step(self) -> dict:
         tc = self.cfg.train
-        lr = wsd_lr(self.step, self.schedule)
+        lr = self.plan.lr_at(self.step, self.schedule)
         self.optimizer.set_lr(lr)
         self.model.train()
         # This step's record; MuonClip reads it. The probe runs every step with QK-Clip on, else at the cadence.
@@ -171,7 +204,7 @@ class Trainer:
             if tc.on_bad_step == "stop":
                 raise BadStepError(message.replace("update skipped", "stopping (train.on_bad_step = stop)"))
             print(f"warning: {message}", file=sys.stderr)
-            return {"step": self.step, "skipped": problem, "loss": loss, "lr": lr}
+            return {"step": self.step, **self._stage_tag(), "skipped": problem, "loss": loss, "lr": lr}
         clip = self.optimizer.step(stats.max_logits())
         self.clip_window.add(self.step, clip)
         self.optimizer.zero_grad()
@@ -180,8 +213,8 @@ class Trainer:
         self.loss_ema = loss if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss
         self.tokens_seen += tokens
         load = (counts / counts.sum(dim=1, keepdim=True)).tolist() if counts is not None else []
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "tokens_seen": self.tokens_seen, **clip.as_dict(),
+        return {"step": self.step, **self._stage_tag(), "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "tokens": tokens, "tokens_seen": self.tokens_seen, **clip.as_dict(),
                 "qk_clip_tau": self.optimizer.tau or float("nan"), "expert_load": load,
                 "expert_imbalance": [max(row) * len(row) for row in load]}
 
@@ -278,6 +311,51 @@ class Trainer:
         print(f"\nsignal {signum}: finishing step {self.step + 1}, then writing a checkpoint", file=sys.stderr)
         self._stop_requested = True
 
+    # ------------------------------------------------------------------------------------------ stages
+    def _sync_stage(self) -> None:
+        """Enter the stage that runs the next step if it is not the current one."""
+        index = self.plan.index_at(self.step)
+        if index != self.stage.index:
+            self._enter_stage(index)
+
+    def _enter_stage(self, index: int, model_only: bool = False) -> None:
+        """Switch to stage `index`: the model's RoPE and length, QK-Clip's tau and, unless `model_only`, the train
+        loader (seq_len, batch, mixture), which continues the previous stream when the corpus is the same."""
+        self.stage = self.plan.stages[index]
+        self.cfg = self.stage.cfg
+        apply_model_config(self.model, self.cfg.model)
+        self._set_tau(self.stage.tau)
+        self.flops_per_token = training_flops_per_token(self.cfg.model, self.cfg.data.seq_len)
+        if not model_only:
+            previous = self.train_loader.state_dict()
+            self.train_loader = self._build_train_loader()
+            try:
+                self.train_loader.load_state_dict(previous)
+            except ValueError as err:  # another mixture: this stage's stream starts at its beginning
+                print(f"note: stage {self.stage.name!r} starts a new data stream ({err})", file=sys.stderr)
+        if self.is_main:
+            print(self.stage.describe(len(self.plan.stages)), file=sys.stderr, flush=True)
+
+    def _set_tau(self, tau: float | None) -> None:
+        self.optimizer.tau = tau
+        if getattr(self.optimizer, "qk_clip", None) is not None and tau is not None:
+            self.optimizer.qk_clip.tau = tau
+
+    def _stage_tag(self) -> dict:
+        return {"stage": self.stage.name} if self.plan.explicit else {}
+
+    def _saved_stage(self, path: Path) -> int:
+        """The stage a checkpoint was written in (its run state; older checkpoints: the stage of its last step)."""
+        state = read_run_state(path)
+        saved = state.get("stage")
+        if saved is None:
+            return self.plan.index_at(max(state["step"] - 1, 0))
+        names = [s.name for s in self.plan.stages]
+        if saved["name"] not in names:
+            raise ValueError(f"checkpoint {path} was written in stage {saved['name']!r}, which this config does not "
+                             f"have (stages: {', '.join(names)})")
+        return names.index(saved["name"])
+
     # ------------------------------------------------------------------------------------------ checkpoints
     # Model and optimizer go to DCP shards under layout-free names (openk2.train.dcp_state), so any layout
     # resumes them; run state, tokenizer and, for one process, the HF-layout model go beside them.
@@ -311,7 +389,8 @@ class Trainer:
         self.tokenizer.save(path)
         write_run_state(path, {"step": self.step, "tokens_seen": self.tokens_seen, "loss_ema": self.loss_ema,
                                "loader": self.train_loader.state_dict(), "schedule": self.schedule.to_dict(),
-                               "parallel": self._layout()})
+                               "parallel": self._layout(),
+                               "stage": {"index": self.stage.index, "name": self.stage.name}})
 
     def _load_checkpoint(self, path: Path) -> None:
         state = read_run_state(path)
