@@ -60,6 +60,33 @@ def test_pipeline_end_to_end_with_scripted_model(tmp_path):
     assert json.loads((tmp_path / "stats.json").read_text()) == stats
 
 
+def test_acceptance_report_at_every_stage(tmp_path, capsys):
+    stats = SynthPipeline(_cfg(), tmp_path, _models()).run()
+    st = stats["stages"]
+    assert st["domains"] == {"requests": 2, "asked": 4, "produced": 4, "acceptance_rate": 1.0, "rejections": {}}
+    tools = st["tools"]
+    assert (tools["proposed"], tools["valid"], tools["acceptance_rate"]) == (12, 8, 0.6667)
+    assert sum(tools["rejections"].values()) == 4 and any("name" in r for r in tools["rejections"])
+    assert tools["dropped_as_duplicates"] == 0 and tools["repository"] == 8
+    assert st["agents"]["produced"] == 3 and st["agents"]["acceptance_rate"] == 1.0
+    assert (st["tasks"]["asked"], st["tasks"]["produced"]) == (6, 6)
+    traj = st["trajectories"]
+    assert traj["produced"] == 6 and traj["tool_calls"] > 0 and traj["tool_call_validity"] == 1.0
+    assert st["judged"] == {"judged": 6, "accepted": 6, "acceptance_rate": 1.0, "rejections": {}}
+    stages = json.loads((tmp_path / "stages.json").read_text())
+    assert stages["usage"]["judge"]["calls"] == 6 and stages["throughput"]["episodes"]["items"] == 6
+    assert synth_main(["report", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| judged | 6 | 6 | 100.0% |" in report and "tool-call validity 100.0%" in report
+    for plot in ("funnel.png", "rejections.png"):
+        assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no synthesis run"):
+        synth_main(["report", "--out", str(tmp_path / "nothing")])
+    (tmp_path / "stages.json").unlink()  # an interrupted run: the counts come from the stores
+    assert synth_main(["report", "--out", str(tmp_path)]) == 0
+    assert "| judged | 6 | 6 | 100.0% |" in (tmp_path / "report.md").read_text()
+
+
 def test_pipeline_drops_trajectories_failing_a_mandatory_item(tmp_path):
     models = _models()
     models["judge"] = ScriptedModel(fail_criterion="c1")

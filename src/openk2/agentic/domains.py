@@ -3,8 +3,10 @@
 Starting from a few key categories (the report names financial trading, software apps and robot control),
 a model proposes concrete application domains inside each category, then designs specialised tools for
 each domain with clear names, descriptions, typed and described parameters, and a return schema. Every
-model reply goes through `ask_json` and every tool through `synthetic_tool` (schema validation); bad ones
-are counted and dropped, never patched up.
+request carries a JSON schema (`domains_schema`, `tools_schema`: local backends decode under its grammar) and
+goes through `ask_structured`; every tool then goes through `synthetic_tool` (schema validation). Bad ones are
+counted and dropped with the reason, never patched up. The one rewrite: a parameter's `"required": true` flag
+(which a grammar can hold, unlike a `required` list naming properties) becomes the schema's `required` list.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from openk2.agentic.jsonout import JSON_INSTRUCTION, JSONStats, ask_json
+from openk2.agentic.jsonout import JSON_INSTRUCTION, JSONStats, ask_structured
 from openk2.agentic.tools import Tool, synthetic_tool, tool_problems
 from openk2.llm.base import ChatModel
 
@@ -62,16 +64,30 @@ def _domains_validator(n: int):
     return validate
 
 
+def domains_schema(num_domains: int) -> dict:
+    """The JSON schema of a domains reply: 1..num_domains named, described domains."""
+    item = {"type": "object", "properties": {"name": {"type": "string", "minLength": 3, "maxLength": 60},
+                                             "description": {"type": "string", "minLength": 10, "maxLength": 160}},
+            "required": ["name", "description"]}
+    return {"type": "object", "properties": {"domains": {"type": "array", "items": item, "minItems": 1,
+                                                         "maxItems": max(1, num_domains)}},
+            "required": ["domains"]}
+
+
 async def evolve_domains(model: ChatModel, category: str, num_domains: int, *, stats: JSONStats | None = None,
-                         max_attempts: int = 3, **sampling: Any) -> list[Domain]:
-    """Up to `num_domains` application domains inside `category` (fewer if the model gives fewer)."""
+                         max_attempts: int = 3, failures: list[str] | None = None, **sampling: Any) -> list[Domain]:
+    """Up to `num_domains` application domains inside `category` (fewer if the model gives fewer); when the
+    request gives up, its reason is appended to `failures`."""
     prompt = (f"Category: {category}\nList {num_domains} distinct, concrete application domains within this "
-              "category where software tools or APIs are used (e.g. for 'financial trading': 'options "
-              "portfolio risk'). Answer as JSON: "
-              f'{{"domains": [{{"name": "{_DOMAIN_PLACEHOLDER}", "description": "one sentence"}}]}}. '
-              + JSON_INSTRUCTION)
-    got = await ask_json(model, [{"role": "user", "content": prompt}], _domains_validator(num_domains),
-                         max_attempts=max_attempts, stats=stats, **sampling)
+              "category where software tools or APIs are used. "
+              'Answer as JSON with a "domains" list; each domain has a "name" (two to five '
+              'words) and a "description" (one sentence). ' + JSON_INSTRUCTION)
+    reply = await ask_structured(model, [{"role": "user", "content": prompt}], _domains_validator(num_domains),
+                                 schema=domains_schema(num_domains), max_attempts=max_attempts, stats=stats,
+                                 **sampling)
+    if not reply.ok and failures is not None:
+        failures.append(f"{reply.reason}: {reply.error}"[:300])
+    got = reply.value if reply.ok else None
     seen: set[str] = set()
     domains = []
     for d in got or []:
@@ -86,9 +102,55 @@ _TOOL_EXAMPLE = {
     "name": "get_order_status",
     "description": "Look up the shipping status of an order by its id.",
     "parameters": {"type": "object", "properties": {
-        "order_id": {"type": "string", "description": "The order's id, e.g. 'A-1029'."}}, "required": ["order_id"]},
+        "order_id": {"type": "string", "description": "The order's id, e.g. 'A-1029'.", "required": True}}},
     "returns": {"type": "object", "properties": {"status": {"type": "string"}, "eta": {"type": "string"}}},
 }
+
+
+_PARAM_TYPES = ["string", "integer", "number", "boolean"]
+
+
+def tools_schema(num_tools: int) -> dict:
+    """The JSON schema of a tools reply: each tool a snake_case name, a description, parameters (typed,
+    described, each flagged required or not) and a return object."""
+    param = {"type": "object", "properties": {"type": {"enum": _PARAM_TYPES},
+                                              "description": {"type": "string", "minLength": 3, "maxLength": 80},
+                                              "required": {"type": "boolean"}},
+             "required": ["type", "description", "required"]}
+    field_ = {"type": "object", "properties": {"type": {"enum": _PARAM_TYPES}}, "required": ["type"]}
+    tool = {"type": "object", "properties": {
+        "name": {"type": "string", "pattern": "^[a-z][a-z0-9_]{2,40}$"},
+        "description": {"type": "string", "minLength": 12, "maxLength": 160},
+        "parameters": {"type": "object", "properties": {
+            "type": {"const": "object"},
+            "properties": {"type": "object", "additionalProperties": param}}, "required": ["type", "properties"]},
+        "returns": {"type": "object", "properties": {
+            "type": {"const": "object"},
+            "properties": {"type": "object", "additionalProperties": field_}}, "required": ["type", "properties"]}},
+        "required": ["name", "description", "parameters", "returns"]}
+    return {"type": "object", "properties": {"tools": {"type": "array", "items": tool, "minItems": 1,
+                                                       "maxItems": max(1, num_tools)}}, "required": ["tools"]}
+
+
+def with_required_list(record: Any) -> Any:
+    """A tool record whose parameters carry per-property `"required": true|false` flags, as a JSON Schema with a
+    `required` list (flags removed); records without flags are returned unchanged."""
+    if not isinstance(record, dict) or not isinstance(record.get("parameters"), dict):
+        return record
+    params = record["parameters"]
+    props = params.get("properties")
+    if not isinstance(props, dict) or not any(isinstance(p, dict) and "required" in p for p in props.values()):
+        return record
+    required = list(params.get("required", [])) if isinstance(params.get("required"), list) else []
+    clean = {}
+    for key, sub in props.items():
+        if isinstance(sub, dict):
+            flag = sub.get("required")
+            sub = {k: v for k, v in sub.items() if k != "required"}
+            if flag is True and key not in required:
+                required.append(key)
+        clean[key] = sub
+    return {**record, "parameters": {**params, "properties": clean, "required": required}}
 
 
 def _tools_validator(value: Any) -> list[dict]:
@@ -98,27 +160,35 @@ def _tools_validator(value: Any) -> list[dict]:
         value = [value]
     if not isinstance(value, list) or not value:
         raise ValueError('expected {"tools": [tool, ...]}')
+    value = [with_required_list(t) for t in value]
     if not any(not tool_problems(t) for t in value):
         raise ValueError("no tool is valid: " + "; ".join(tool_problems(value[0]))[:400])
     return value
 
 
 async def synthesize_tools(model: ChatModel, domain: Domain, num_tools: int, *, stats: JSONStats | None = None,
-                           max_attempts: int = 3, **sampling: Any) -> tuple[list[Tool], int]:
-    """(valid tools, number rejected by schema validation) for one domain."""
+                           max_attempts: int = 3, reasons: list[str] | None = None,
+                           **sampling: Any) -> tuple[list[Tool], int]:
+    """(valid tools, number rejected by schema validation) for one domain; each rejection's reason (or the
+    request's, when it gave up) is appended to `reasons`."""
     prompt = (f"Domain: {domain.name} ({domain.category}): {domain.description}\n"
               f"Design {num_tools} specialised tools (functions) an assistant could call in this domain. Each "
               "has a snake_case name, a one-sentence description, JSON-Schema `parameters` (type object; every "
-              "property typed and described; `required` listed) and a JSON-Schema `returns`. Example tool:\n"
+              "property typed, described and marked required true or false) and a JSON-Schema `returns`. "
+              "Example tool:\n"
               f"{json.dumps(_TOOL_EXAMPLE)}\nAnswer as JSON: {{\"tools\": [...]}}. {JSON_INSTRUCTION}")
-    got = await ask_json(model, [{"role": "user", "content": prompt}], _tools_validator,
-                         max_attempts=max_attempts, stats=stats, **sampling)
+    reply = await ask_structured(model, [{"role": "user", "content": prompt}], _tools_validator,
+                                 schema=tools_schema(num_tools), max_attempts=max_attempts, stats=stats, **sampling)
+    reasons = reasons if reasons is not None else []
+    if not reply.ok:
+        reasons.append(f"request {reply.reason}: {reply.error}"[:300])
     tools: list[Tool] = []
     rejected = 0
     origin = {"model": getattr(model, "name", "model"), "domain_id": domain.domain_id}
-    for record in (got or [])[:num_tools]:
+    for record in (reply.value if reply.ok else [])[:num_tools]:
         try:
             tools.append(synthetic_tool(record, category=domain.category, domain=domain.name, origin=origin))
-        except ValueError:
+        except ValueError as err:
             rejected += 1
+            reasons.append(str(err)[:300])
     return tools, rejected

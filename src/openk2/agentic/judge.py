@@ -3,8 +3,10 @@ only trajectories meeting success criteria are kept").
 
 Each trajectory gets a `Judgement`: one `Verdict` per rubric criterion from a judge model (structured JSON,
 every criterion answered), plus checks that need no model and cannot be argued with: the episode ended with a
-final answer, not an error, and (when the rubric says so) every expected tool was called. A trajectory is
-accepted only if all mandatory items pass; a judge that cannot produce a usable verdict rejects it.
+final answer, not an error, and (when the rubric says so) every expected tool was called. The judge's request
+carries a JSON schema with one required entry per criterion id (`verdict_schema`), so under a grammar every
+criterion is answered. A trajectory is accepted only if all mandatory items pass; a judge that cannot produce a
+usable verdict rejects it, with the reason.
 `AcceptanceStats` counts what was kept and why the rest was dropped.
 """
 
@@ -16,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from openk2.agentic.agents import Rubric, Task
-from openk2.agentic.jsonout import JSON_INSTRUCTION, JSONStats, ask_json
+from openk2.agentic.coding import code_verdict
+from openk2.agentic.jsonout import JSON_INSTRUCTION, JSONStats, ask_structured
 from openk2.agentic.rollout import Trajectory
 from openk2.llm.base import ChatModel
 
@@ -62,6 +65,9 @@ def rule_verdicts(trajectory: Trajectory, rubric: Rubric) -> list[Verdict]:
     verdicts.append(Verdict("expected_tools", not missing, rubric.expected_tools_mandatory,
                             f"never called: {', '.join(missing)}" if missing else "all expected tools called",
                             by="rule"))
+    code = code_verdict(trajectory.state)  # a coding task: its hidden tests, run in the sandbox, decide
+    if code is not None:
+        verdicts.append(Verdict("code_tests", code[0], True, code[1], by="rule"))
     return verdicts
 
 
@@ -77,8 +83,19 @@ def _transcript(trajectory: Trajectory, limit: int = 6000) -> str:
     return text if len(text) <= limit else text[: limit // 2] + "\n...\n" + text[-limit // 2:]
 
 
+def verdict_schema(ids: list[str]) -> dict:
+    """The JSON schema of a judge reply: {"verdicts": {ID: {"reason", "passed"}}} with every id required."""
+    one = {"type": "object", "properties": {"reason": {"type": "string", "maxLength": 80},
+                                            "passed": {"type": "boolean"}}, "required": ["reason", "passed"]}
+    return {"type": "object", "properties": {"verdicts": {"type": "object", "properties": {i: one for i in ids},
+                                                          "required": list(ids)}},
+            "required": ["verdicts"]}
+
+
 def _verdict_validator(ids: list[str]):
     def validate(value: Any) -> dict[str, dict]:
+        if isinstance(value, dict) and isinstance(value.get("verdicts"), dict):  # keyed by id (the schema's shape)
+            value = [{**v, "id": k} for k, v in value["verdicts"].items() if isinstance(v, dict)]
         if isinstance(value, dict) and isinstance(value.get("verdicts"), list):
             value = value["verdicts"]
         if not isinstance(value, list):
@@ -104,13 +121,17 @@ async def judge_trajectory(model: ChatModel, task: Task, trajectory: Trajectory,
               f"Expected tool use: {', '.join(rubric.expected_tools)}\nCheckpoints: {json.dumps(rubric.checkpoints)}\n"
               f"Criteria: {json.dumps(criteria)}\nWorld state after the episode: "
               f"{json.dumps({k: trajectory.state.get(k) for k in ('created', 'changed', 'deleted')})[:1500]}\n"
+              + (f"Code test runs (sandbox): {json.dumps(trajectory.state['code']['runs'][-3:])[:800]}\n"
+                 if isinstance(trajectory.state.get("code"), dict) else "") +
               f"Transcript:\n{_transcript(trajectory)}\n\nFor every criterion decide if the trajectory meets it. "
-              'Answer as JSON: {"verdicts": [{"id": "c1", "passed": true, "reason": "..."}]}. ' + JSON_INSTRUCTION)
-    got = await ask_json(model, [{"role": "user", "content": prompt}],
-                         _verdict_validator([c.criterion_id for c in rubric.criteria]), stats=stats,
-                         max_attempts=max_attempts, **sampling)
+              'Answer as JSON: {"verdicts": {"c1": {"reason": "...", "passed": true}}}. ' + JSON_INSTRUCTION)
+    ids = [c.criterion_id for c in rubric.criteria]
+    reply = await ask_structured(model, [{"role": "user", "content": prompt}], _verdict_validator(ids), stats=stats,
+                                 schema=verdict_schema(ids), max_attempts=max_attempts, **sampling)
+    got = reply.value if reply.ok else None
     if got is None:
-        verdicts.append(Verdict("judge", False, True, "the judge gave no usable verdict", by="rule"))
+        verdicts.append(Verdict("judge", False, True, f"the judge gave no usable verdict ({reply.reason}: "
+                                f"{reply.error})"[:300], by="rule"))
     else:
         for c in rubric.criteria:
             v = got[c.criterion_id]

@@ -7,10 +7,13 @@ Stages, each writing to the run directory:
     tools.jsonl        the repository: MCP + synthetic tools, deduplicated     (rebuilt each run, atomically)
     agents.jsonl       system prompt + sampled toolset per agent               (key: agent_id)
     tasks.jsonl        rubric tasks per agent                                  (key: agent_id)
+    coding.jsonl       coding tasks ([coding]) with their hidden tests         (key: task_id)
     trajectories.jsonl one simulated episode per (task, sample)                (key: trajectory_id)
     judged.jsonl       the rubric judge's verdicts per trajectory              (key: trajectory_id)
     sft.jsonl          accepted trajectories: {"messages", "tools", "meta"}    (rebuilt each run, atomically)
     stats.json         counts, acceptance statistics, structured-output failures
+    stages.json        per stage: counts, acceptance rate, rejection reasons, dedup, tool-call validity,
+                       throughput (`openk2.agentic.stage_stats`; `openk2 synth run` renders it as report.md)
 
 Every work item is appended as soon as it finishes (`JsonlStore`), so an interrupted run started again with the
 same config skips what is on disk and does the rest. Within a stage, items run concurrently under asyncio; all
@@ -35,12 +38,14 @@ from typing import Any
 from tqdm import tqdm
 
 from openk2.agentic.agents import Agent, Task, make_agent, make_tasks, sample_toolsets
+from openk2.agentic.coding import CODE_TOOLS, CodeRunner, CodingProblem, coding_tasks
 from openk2.agentic.domains import Domain, evolve_domains, synthesize_tools
 from openk2.agentic.jsonout import JSONStats
 from openk2.agentic.judge import AcceptanceStats, Judgement, judge_trajectory
 from openk2.agentic.mcp_client import MCPServer
 from openk2.agentic.rollout import Trajectory, run_episode
 from openk2.agentic.simulate import ToolSimulator
+from openk2.agentic.stage_stats import stage_stats
 from openk2.agentic.store import JsonlStore
 from openk2.agentic.synth_config import SynthConfig
 from openk2.agentic.tools import Tool, dedup_tools, read_tools, tool_stats, write_tools
@@ -52,19 +57,26 @@ ROLES = ("generator", "agent", "user", "tool_simulator", "judge")
 
 
 class ThrottledChatModel(ChatModel):
-    """A ChatModel whose `achat` waits on a shared semaphore, capping model calls in flight."""
+    """A ChatModel whose `achat` waits on a shared semaphore, capping model calls in flight; it counts the calls
+    and completion tokens that pass through it (`usage`)."""
 
-    def __init__(self, inner: ChatModel, semaphore: asyncio.Semaphore) -> None:
+    def __init__(self, inner: ChatModel, semaphore: asyncio.Semaphore, usage: Counter | None = None) -> None:
         self.inner = inner
         self.semaphore = semaphore
         self.name = getattr(inner, "name", "model")
+        self.usage = usage if usage is not None else Counter()
+
+    def _count(self, replies: list) -> list:
+        self.usage["calls"] += 1
+        self.usage["completion_tokens"] += int((replies[0].usage or {}).get("completion_tokens", 0)) if replies else 0
+        return replies
 
     def chat(self, messages, tools=None, **sampling):
-        return self.inner.chat(messages, tools, **sampling)
+        return self._count(self.inner.chat(messages, tools, **sampling))
 
     async def achat(self, messages, tools=None, **sampling):
         async with self.semaphore:
-            return await self.inner.achat(messages, tools, **sampling)
+            return self._count(await self.inner.achat(messages, tools, **sampling))
 
 
 async def run_concurrently(items: Sequence[Any], work: Callable[[Any], Awaitable[None]], desc: str) -> None:
@@ -105,6 +117,9 @@ class SynthPipeline:
         self.json_stats = {role: JSONStats() for role in ROLES}
         self._loaded: list[ChatModel] = []  # models this pipeline loaded itself (and so closes)
         self.stage_counts: dict[str, int] = {}
+        self.stage_seconds: dict[str, float] = {}  # wall time of each stage in this run
+        self.stage_done: dict[str, int] = {}  # items each stage finished in this run
+        self.usage = {role: Counter() for role in ROLES}  # model calls and completion tokens per role
 
     def _check_config(self) -> None:
         """Refuse to resume a run directory made with a different config (its stored work would not match)."""
@@ -140,11 +155,12 @@ class SynthPipeline:
         missing = [r for r in needed if raw[r] is None]
         if missing:
             raise ValueError(f"no chat model for role(s): {', '.join(missing)}")
-        return {role: ThrottledChatModel(m, semaphore) if m is not None else None for role, m in raw.items()}
+        return {role: ThrottledChatModel(m, semaphore, self.usage[role]) if m is not None else None
+                for role, m in raw.items()}
 
     def sampling(self, role: str) -> dict[str, Any]:
         temperature = self.cfg.models.judge_temperature if role == "judge" else self.cfg.models.temperature
-        return {"temperature": temperature, "max_tokens": self.cfg.models.max_tokens}
+        return {"temperature": temperature, "max_tokens": self.cfg.models.tokens_for(role)}
 
     def run(self) -> dict[str, Any]:
         """Run (or resume) every stage; returns the final statistics (also written to stats.json)."""
@@ -160,7 +176,8 @@ class SynthPipeline:
                     if t.source == "mcp" and t.origin.get("server") == s.name}
             agents = await self._agents(models["generator"], repo)
             tasks = await self._tasks(models["generator"], agents, repo)
-            await self._episodes(models, agents, tasks, repo, real)
+            problems = self._coding(agents, tasks)
+            await self._episodes(models, agents, tasks, repo + (CODE_TOOLS if problems else []), real, problems)
         except Exception as err:
             if is_transport_error(err):
                 raise self._stopped(err) from err
@@ -206,31 +223,43 @@ class SynthPipeline:
             synthetic = await self._synthetic_tools(generator, await self._domains(generator))
         return self._repository(servers, synthetic)
 
+    async def _stage(self, name: str, items: Sequence[Any], work: Callable[[Any], Awaitable[None]]) -> None:
+        """`run_concurrently` with the stage's wall time and finished items recorded for the report."""
+        start = time.perf_counter()
+        try:
+            await run_concurrently(items, work, name)
+        finally:
+            self.stage_seconds[name] = self.stage_seconds.get(name, 0.0) + time.perf_counter() - start
+            self.stage_done[name] = self.stage_done.get(name, 0) + len(items)
+
     async def _domains(self, model: ChatModel) -> list[Domain]:
         store = JsonlStore(self.out / "domains.jsonl", "category")
 
         async def work(category: str) -> None:
+            failures: list[str] = []
             got = await evolve_domains(model, category, self.cfg.tools.domains_per_category,
                                        stats=self.json_stats["generator"], max_attempts=self.cfg.run.json_attempts,
-                                       **self.sampling("generator"))
-            store.append({"category": category, "domains": [d.to_dict() for d in got]})
+                                       failures=failures, **self.sampling("generator"))
+            store.append({"category": category, "domains": [d.to_dict() for d in got],
+                          "failure": failures[0] if failures else None})
 
         todo = [c for c in dict.fromkeys(self.cfg.tools.categories) if not store.has(c)]
-        await run_concurrently(todo, work, "domains")
+        await self._stage("domains", todo, work)
         return [Domain.from_dict(d) for c in dict.fromkeys(self.cfg.tools.categories) for d in store.get(c)["domains"]]
 
     async def _synthetic_tools(self, model: ChatModel, domains: list[Domain]) -> list[Tool]:
         store = JsonlStore(self.out / "synthetic.jsonl", "domain_id")
 
         async def work(domain: Domain) -> None:
+            reasons: list[str] = []
             tools, rejected = await synthesize_tools(model, domain, self.cfg.tools.tools_per_domain,
                                                      stats=self.json_stats["generator"],
-                                                     max_attempts=self.cfg.run.json_attempts,
+                                                     max_attempts=self.cfg.run.json_attempts, reasons=reasons,
                                                      **self.sampling("generator"))
             store.append({"domain_id": domain.domain_id, "tools": [t.to_dict() for t in tools],
-                          "rejected": rejected})
+                          "rejected": rejected, "reasons": reasons})
 
-        await run_concurrently([d for d in domains if not store.has(d.domain_id)], work, "tools")
+        await self._stage("tools", [d for d in domains if not store.has(d.domain_id)], work)
         self.stage_counts["synthetic_rejected_by_schema"] = sum(store.get(d.domain_id)["rejected"] for d in domains)
         return [Tool.from_dict(t) for d in domains for t in store.get(d.domain_id)["tools"]]
 
@@ -260,7 +289,7 @@ class SynthPipeline:
                                      **self.sampling("generator"))
             store.append(agent.to_dict())
 
-        await run_concurrently([i for i in range(a.num_agents) if not store.has(ids[i])], work, "agents")
+        await self._stage("agents", [i for i in range(a.num_agents) if not store.has(ids[i])], work)
         return [Agent.from_dict(store.get(i)) for i in ids]
 
     async def _tasks(self, model: ChatModel, agents: list[Agent], repo: list[Tool]) -> list[Task]:
@@ -269,16 +298,38 @@ class SynthPipeline:
 
         async def work(agent: Agent) -> None:
             tools = [by_name[n] for n in agent.tool_names if n in by_name]
+            failures: list[str] = []
             tasks = await make_tasks(model, agent, tools, self.cfg.agents.tasks_per_agent,
                                      stats=self.json_stats["generator"], max_attempts=self.cfg.run.json_attempts,
-                                     **self.sampling("generator"))
-            store.append({"agent_id": agent.agent_id, "tasks": [t.to_dict() for t in tasks]})
+                                     failures=failures, **self.sampling("generator"))
+            store.append({"agent_id": agent.agent_id, "tasks": [t.to_dict() for t in tasks],
+                          "failure": failures[0] if failures else None})
 
-        await run_concurrently([a for a in agents if not store.has(a.agent_id)], work, "tasks")
+        await self._stage("tasks", [a for a in agents if not store.has(a.agent_id)], work)
         return [Task.from_dict(t) for a in agents for t in store.get(a.agent_id)["tasks"]]
 
+    def _coding(self, agents: list[Agent], tasks: list[Task]) -> dict[str, CodingProblem]:
+        """Add the coding agent and its tasks (`[coding]`; recorded with their hidden tests in coding.jsonl) to
+        `agents` and `tasks`; returns each coding task's problem. Checks first that this machine has the sandbox."""
+        if self.cfg.coding.num_tasks == 0:
+            return {}
+        from openk2.agentic.sandbox import check_sandbox
+
+        check_sandbox()  # SandboxUnavailableError naming the missing layer, before any episode runs
+        agent, coding, problems = coding_tasks(self.cfg.run.seed, self.cfg.coding.num_tasks)
+        store = JsonlStore(self.out / "coding.jsonl", "task_id")
+        for task in coding:
+            if not store.has(task.task_id):
+                store.append({"task_id": task.task_id, "agent": agent.to_dict(), "task": task.to_dict(),
+                              "problem": problems[task.task_id].to_dict()})
+        agents.append(agent)
+        tasks.extend(coding)
+        self.stage_counts["coding_tasks"] = len(coding)
+        return problems
+
     async def _episodes(self, models: dict[str, ChatModel | None], agents: list[Agent], tasks: list[Task],
-                        repo: list[Tool], real: dict[str, MCPServer]) -> None:
+                        repo: list[Tool], real: dict[str, MCPServer],
+                        problems: dict[str, CodingProblem] | None = None) -> None:
         trajectories = JsonlStore(self.out / "trajectories.jsonl", "trajectory_id")
         judged = JsonlStore(self.out / "judged.jsonl", "trajectory_id")
         by_name = {t.name: t for t in repo}
@@ -294,13 +345,17 @@ class SynthPipeline:
                 tools = [by_name[n] for n in agent.tool_names if n in by_name]
                 persona = pick_persona(seed, traj_id)
                 user = UserSimulator(models["user"], persona, task.instruction, **self.sampling("user"))
+                problem = (problems or {}).get(task.task_id)
+                code = CodeRunner(problem, pool=pool, timeout_s=self.cfg.coding.timeout_s,
+                                  memory_mb=self.cfg.coding.memory_mb) if problem is not None else None
                 tool_sim = ToolSimulator(tools, seed=seed, episode_id=traj_id, faults=sim.faults,
-                                         model=models["tool_simulator"], real_servers=real,
+                                         model=models["tool_simulator"], real_servers=real, code=code,
+                                         world_key=agent.domain, world_rows=sim.world_rows,
                                          stats=self.json_stats["tool_simulator"],
                                          max_attempts=self.cfg.run.json_attempts, **self.sampling("tool_simulator"))
                 traj = await run_episode(traj_id, agent, task, tools, models["agent"], user, tool_sim, persona,
                                          max_user_turns=sim.max_user_turns, max_agent_steps=sim.max_agent_steps,
-                                         **self.sampling("agent"))
+                                         agent_tool_choice=sim.agent_tool_choice, **self.sampling("agent"))
                 record = traj.to_dict()
                 trajectories.append(record)
             judgement = await judge_trajectory(models["judge"], task, Trajectory.from_dict(record),
@@ -309,7 +364,16 @@ class SynthPipeline:
             judged.append(judgement.to_dict())
 
         items = [(t, f"{t.task_id}-s{j}") for t in tasks for j in range(sim.trajectories_per_task)]
-        await run_concurrently([it for it in items if not judged.has(it[1])], work, "episodes")
+        pool = None
+        if problems:
+            from openk2.agentic.sandbox import SandboxPool
+
+            pool = SandboxPool(self.cfg.coding.max_concurrency)
+        try:
+            await self._stage("episodes", [it for it in items if not judged.has(it[1])], work)
+        finally:
+            if pool is not None:
+                pool.close()
 
     def _finish(self, seconds: float) -> dict[str, Any]:
         """Write sft.jsonl (accepted trajectories) and stats.json from what is on disk."""
@@ -338,9 +402,15 @@ class SynthPipeline:
                  "acceptance": acceptance.as_dict(), "tool_outcomes": dict(outcomes.most_common()),
                  "structured_output_this_run": {r: s.as_dict() for r, s in self.json_stats.items() if s.requests},
                  "seconds_this_run": round(seconds, 1)}
-        tmp = self.out / "stats.json.tmp"
-        tmp.write_text(json.dumps(stats, indent=2))
-        tmp.replace(self.out / "stats.json")
+        stages = stage_stats(self.out, self.cfg, seconds=dict(self.stage_seconds), done=dict(self.stage_done),
+                             usage={r: dict(u) for r, u in self.usage.items() if u},
+                             structured=stats["structured_output_this_run"], counts=dict(self.stage_counts),
+                             total_seconds=seconds)
+        stats["stages"] = stages["stages"]
+        for name, record in (("stages.json", stages), ("stats.json", stats)):
+            tmp = self.out / f"{name}.tmp"
+            tmp.write_text(json.dumps(record, indent=2))
+            tmp.replace(self.out / name)
         return stats
 
 

@@ -3,9 +3,16 @@
 The user simulator opens with a request; the agent (any ChatModel, a strong remote model in real use) answers
 or calls tools, which the tool simulator executes; after each final answer the user may follow up or end.
 The episode stops when the user ends it, after `max_user_turns` user messages, or after `max_agent_steps`
-agent replies in total. The result is a `Trajectory`: OpenAI messages, the tools offered, the world state and
-how the episode ended. A transport failure of any model (`openk2.llm.transport`) is not an ending: it is raised,
-and the episode is not recorded.
+agent replies in total. The result is a `Trajectory`: OpenAI messages, the tools offered, how the episode
+ended, and `state`, the simulator's record: the world's final tables, what was created, changed and deleted,
+the call log, and for coding episodes every sandboxed run (`ToolSimulator.record`). A transport failure of any
+model (`openk2.llm.transport`) is not an ending: it is raised, and the episode is not recorded.
+
+`agent_tool_choice` decides how the agent's turns are decoded when the task expects tools: "auto" (the model
+chooses), "required_first" (the first agent turn must call a declared tool, later turns "auto") or "required"
+(every turn must call one until each expected tool has been called, then "auto"). With a grammar-constrained
+backend (`hf:`, `local:`) a required turn is always a schema-valid call to a declared tool; which tool, and with
+what arguments, is still the model's choice.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from openk2.agentic.tools import Tool
 from openk2.agentic.users import Persona, UserSimulator
 from openk2.llm.base import ChatModel
 from openk2.llm.transport import is_transport_error
+
+AGENT_TOOL_CHOICES = ("auto", "required_first", "required")
 
 
 @dataclass
@@ -48,8 +57,10 @@ class Trajectory:
 
 async def run_episode(trajectory_id: str, agent: Agent, task: Task, tools: list[Tool], agent_model: ChatModel,
                       user: UserSimulator, tool_sim: ToolSimulator, persona: Persona, *, max_user_turns: int = 3,
-                      max_agent_steps: int = 8, **sampling: Any) -> Trajectory:
+                      max_agent_steps: int = 8, agent_tool_choice: str = "auto", **sampling: Any) -> Trajectory:
     """Play one episode and return its trajectory."""
+    if agent_tool_choice not in AGENT_TOOL_CHOICES:
+        raise ValueError(f"agent_tool_choice must be one of {AGENT_TOOL_CHOICES}, got {agent_tool_choice!r}")
     specs = [t.to_openai() for t in tools]
     messages: list[dict] = [{"role": "system", "content": agent.system_prompt}]
     first = await user.next_message(messages[1:])
@@ -58,7 +69,8 @@ async def run_episode(trajectory_id: str, agent: Agent, task: Task, tools: list[
     while agent_steps < max_agent_steps:
         agent_steps += 1
         try:
-            reply = (await agent_model.achat(messages, tools=specs, **sampling))[0]
+            choice = _tool_choice(agent_tool_choice, task, messages, agent_steps, bool(specs))
+            reply = (await agent_model.achat(messages, tools=specs, **{**sampling, **choice}))[0]
         except Exception as err:  # noqa: BLE001 - one failed episode must not stop the run
             if is_transport_error(err):  # the endpoint is down: no episode, it stays pending
                 raise
@@ -82,7 +94,18 @@ async def run_episode(trajectory_id: str, agent: Agent, task: Task, tools: list[
         user_turns += 1
     return Trajectory(trajectory_id=trajectory_id, task_id=task.task_id, agent_id=agent.agent_id,
                       messages=messages, tools=specs, persona=persona.to_dict(), end_reason=end_reason,
-                      state=tool_sim.state.to_dict(), outcomes=dict(tool_sim.outcomes))
+                      state=tool_sim.record(), outcomes=dict(tool_sim.outcomes))
+
+
+def _tool_choice(mode: str, task: Task, messages: list[dict], step: int, have_tools: bool) -> dict[str, str]:
+    """The `tool_choice` keyword for agent turn `step` (1-based): empty (the backend's "auto") or "required"."""
+    expected = task.rubric.expected_tools
+    if mode == "auto" or not expected or not have_tools:
+        return {}
+    if mode == "required_first":
+        return {"tool_choice": "required"} if step == 1 else {}
+    called = {c["function"]["name"] for m in messages if m["role"] == "assistant" for c in m.get("tool_calls") or []}
+    return {"tool_choice": "required"} if any(n not in called for n in expected) else {}
 
 
 def _clean(message: dict) -> dict:

@@ -1,39 +1,45 @@
 """The tool-execution simulator (report 3.1.1: "functionally a world model"): one instance per episode.
 
 For each call the simulator
-1. checks the tool exists and validates the arguments against its parameter schema (errors go back to the
-   agent as a tool result, as a real API would answer);
-2. draws the episode's stochastic outcome: a timeout or rate limit (the call does nothing), or after execution
-   a partial result or an edge case (empty results); probabilities in `FaultConfig`, draws from a RNG seeded by
-   (seed, episode id), a fixed number per call, so an episode replays identically;
-3. executes it: for real by an MCP server when the tool is marked safe (e.g. the clock), else by a model asked
-   to act as the tool given the episode state so far, else (no model, or its reply unusable) by a seeded
-   faker that fills the return schema;
-4. records what the call created, changed or deleted in `WorldState`, which later calls and the judge see.
+1. checks the tool exists and that the arguments are a bounded JSON object (size, depth, finite numbers, valid
+   Unicode) matching the tool's parameter schema; problems go back to the agent as a tool error, as a real API
+   would answer, and never raise;
+2. draws the episode's stochastic outcome from one uniform number per call, cut into the `FaultConfig`
+   probabilities (so each fault occurs at exactly its configured rate): a timeout or rate limit (the call does
+   nothing), an edge case (no rows, a missing record, a conflict; nothing changes) or a partial result; the
+   RNG is seeded by (seed, episode id), so an episode replays identically;
+3. executes it: for real by an MCP server when the tool is marked safe (e.g. the clock), in the code sandbox
+   for code tools (`openk2.agentic.coding`), else against the episode's `World` (`openk2.agentic.world`), the
+   seeded database that holds every entity: results and state come from the world, never from a model;
+4. lets a model, when one is given, phrase the text fields the world only faked (placeholders such as
+   "title-123"); the phrased text is stored in the world, so later reads agree with it.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from openk2.agentic.jsonout import JSON_INSTRUCTION, JSONStats, ask_json
 from openk2.agentic.mcp_client import MCPServer
 from openk2.agentic.schema import value_problems
 from openk2.agentic.tools import Tool
+from openk2.agentic.world import World
+from openk2.agentic.world import fake_value as fake_value  # re-exported: tests and fakes draw values with it
 from openk2.llm.base import ChatModel
 
-CREATE_VERBS = ("create", "add", "new", "book", "place", "schedule", "register", "open", "insert", "upload", "send")
-CHANGE_VERBS = ("update", "set", "modify", "edit", "change", "move", "rename", "assign", "adjust", "transfer")
-DELETE_VERBS = ("delete", "remove", "cancel", "close", "drop", "archive", "revoke")
+MAX_ARGUMENT_BYTES = 16 << 10  # a tool call's arguments, as JSON text
+MAX_ARGUMENT_DEPTH = 16  # nesting of objects and arrays in the arguments
 
 
 @dataclass(kw_only=True)
 class FaultConfig:
     """Per-call probabilities of injected outcomes (report: "controlled stochasticity ... partial failures and
-    edge cases"). Timeouts and rate limits stop the call; partial results and edge cases alter its result."""
+    edge cases"). Timeouts and rate limits stop the call; an edge case answers "nothing matched" and changes
+    nothing; a partial result truncates the answer of a call that did run. They are exclusive: each occurs at its
+    own rate while they sum to <= 1; past that, earlier ones in this order take precedence."""
 
     timeout: float = 0.05
     rate_limit: float = 0.05
@@ -45,182 +51,199 @@ class FaultConfig:
             if not 0.0 <= p <= 1.0:
                 raise ValueError(f"fault probability {name} must be in [0, 1], got {p}")
 
-
-@dataclass
-class WorldState:
-    """What the episode's calls did: records created, changed and deleted (by key), and every call's outcome."""
-
-    created: dict[str, Any] = field(default_factory=dict)
-    changed: dict[str, Any] = field(default_factory=dict)
-    deleted: list[str] = field(default_factory=list)
-    calls: list[dict] = field(default_factory=list)
-
-    def apply(self, effects: list[dict]) -> None:
-        for e in effects:
-            key = str(e.get("key", ""))
-            if not key:
-                continue
-            if e.get("op") == "create":
-                self.created[key] = e.get("value")
-            elif e.get("op") == "update":
-                self.changed[key] = e.get("value")
-            elif e.get("op") == "delete":
-                self.created.pop(key, None)
-                self.changed.pop(key, None)
-                if key not in self.deleted:
-                    self.deleted.append(key)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def summary(self, limit: int = 1500) -> str:
-        text = json.dumps({"created": self.created, "changed": self.changed, "deleted": self.deleted},
-                          ensure_ascii=False)
-        return text if len(text) <= limit else text[:limit] + "...(truncated)"
-
-
-def fake_value(schema: Any, rng: random.Random, hint: str = "value", depth: int = 0) -> Any:
-    """A value that satisfies `schema` (the subset in `schema.py`), drawn from `rng`."""
-    if not isinstance(schema, dict):
-        return f"{hint}-{rng.randrange(1000)}"
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return rng.choice(schema["enum"])
-    kind = schema.get("type", "object" if "properties" in schema else "string")
-    kind = kind[0] if isinstance(kind, list) and kind else kind
-    if kind == "object":
-        props = schema.get("properties", {}) if depth < 4 else {}
-        return {k: fake_value(v, rng, k, depth + 1) for k, v in props.items()}
-    if kind == "array":
-        return [fake_value(schema.get("items", {}), rng, hint, depth + 1) for _ in range(rng.randint(1, 3))]
-    if kind == "integer":
-        lo, hi = int(schema.get("minimum", 0)), int(schema.get("maximum", 100))
-        return rng.randint(lo, max(lo, hi))
-    if kind == "number":
-        lo, hi = float(schema.get("minimum", 0.0)), float(schema.get("maximum", 1000.0))
-        return round(rng.uniform(lo, max(lo, hi)), 2)
-    if kind == "boolean":
-        return rng.random() < 0.5
-    if kind == "null":
+    def pick(self, u: float) -> str | None:
+        """The fault for uniform draw `u` in [0, 1): timeout, rate_limited, edge_case, partial, or None."""
+        edge = 0.0
+        for outcome, p in (("timeout", self.timeout), ("rate_limited", self.rate_limit),
+                           ("edge_case", self.edge_case), ("partial", self.partial)):
+            edge += p
+            if u < edge:
+                return outcome
         return None
-    return f"{hint}-{rng.randrange(1000)}"
 
 
-def verb_effects(tool_name: str, arguments: dict, result: Any, call_index: int) -> list[dict]:
-    """State effects guessed from the tool's verb, used when the executor does not report any."""
-    verb = tool_name.lower().split("_")[0]
-    ids = [str(v) for k, v in arguments.items() if k == "id" or k.endswith("_id")]
-    if verb in CREATE_VERBS:
-        return [{"op": "create", "key": f"{tool_name}#{call_index}", "value": arguments}]
-    if verb in CHANGE_VERBS:
-        return [{"op": "update", "key": ids[0] if ids else f"{tool_name}#{call_index}", "value": arguments}]
-    if verb in DELETE_VERBS and ids:
-        return [{"op": "delete", "key": ids[0]}]
-    return []
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
-def _effects_validator(returns: dict):
-    def validate(value: Any) -> dict:
-        if not isinstance(value, dict) or "result" not in value:
-            raise ValueError('expected {"result": ..., "effects": [...]}')
-        problems = value_problems(value["result"], returns, "result") if returns else []
-        if problems:
-            raise ValueError("; ".join(problems[:5]))
-        effects = value.get("effects", [])
-        if not isinstance(effects, list):
-            raise ValueError("effects must be a list")
-        value["effects"] = [e for e in effects if isinstance(e, dict) and e.get("op") in ("create", "update", "delete")]
-        return value
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_ARGUMENT_DEPTH:
+                break
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
+
+
+def parse_arguments(raw: Any, max_bytes: int = MAX_ARGUMENT_BYTES) -> tuple[dict | None, str | None]:
+    """(arguments, None) for a usable arguments object (JSON text or a dict), else (None, the problem)."""
+    if isinstance(raw, dict):
+        try:
+            raw = json.dumps(raw, ensure_ascii=False, allow_nan=False)
+        except (ValueError, TypeError, RecursionError) as err:
+            return None, f"arguments are not serialisable JSON: {type(err).__name__}"
+    if not isinstance(raw, str):
+        return None, f"arguments must be a JSON object as text, got {type(raw).__name__}"
+    size = len(raw.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        return None, f"arguments are {size} bytes; the limit is {max_bytes}"
+    try:
+        args = json.loads(raw or "{}", parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError; so are 5000-digit integers
+        return None, f"arguments are not JSON: {str(err)[:200] or type(err).__name__}"
+    if not isinstance(args, dict):
+        return None, f"arguments must be an object, got {type(args).__name__}"
+    if _depth(args) > MAX_ARGUMENT_DEPTH:
+        return None, f"arguments are nested deeper than {MAX_ARGUMENT_DEPTH} levels"
+    try:
+        json.dumps(args, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return None, "arguments hold invalid Unicode (a lone surrogate)"
+    return args, None
+
+
+def _phrase_validator(fields: list[str]):
+    def validate(value: Any) -> dict[str, str]:
+        if isinstance(value, dict) and isinstance(value.get("fields"), dict):
+            value = value["fields"]
+        if not isinstance(value, dict):
+            raise ValueError('expected {"fields": {"name": "text", ...}}')
+        got = {k: v.strip() for k, v in value.items() if k in fields and isinstance(v, str) and v.strip()
+               and len(v) <= 300}
+        if not got:
+            raise ValueError(f"give a short text for at least one of: {', '.join(fields)}")
+        return got
     return validate
 
 
 class ToolSimulator:
-    """Executes one episode's tool calls; `execute(call)` returns the tool message content (a JSON string)."""
+    """Executes one episode's tool calls; `execute(call)` returns the tool message content (a JSON string).
+
+    `world` is the episode's database (default: one built from `tools` with `world_rows` seeded rows per kind,
+    seeded by (seed, world_key or episode_id)); `code` runs code tools in the sandbox
+    (`openk2.agentic.coding.CodeRunner`)."""
 
     def __init__(self, tools: list[Tool], *, seed: int, episode_id: str, faults: FaultConfig | None = None,
                  model: ChatModel | None = None, real_servers: dict[str, MCPServer] | None = None,
-                 stats: JSONStats | None = None, max_attempts: int = 3, **sampling: Any) -> None:
+                 stats: JSONStats | None = None, max_attempts: int = 3, world: World | None = None,
+                 world_key: str | None = None, world_rows: int = 5, code: Any = None,
+                 max_argument_bytes: int = MAX_ARGUMENT_BYTES, **sampling: Any) -> None:
         self.tools = {t.name: t for t in tools}
         self.faults = faults or FaultConfig()
         self.model = model
         self.real_servers = real_servers or {}  # tool name -> server that may run it for real
+        self.code = code
         self.rng = random.Random(f"{seed}:tools:{episode_id}")
-        self.state = WorldState()
+        code_names = set(getattr(code, "tool_names", ()))
+        self.world = world if world is not None else World(
+            [t for t in tools if t.name not in code_names and t.name not in self.real_servers], seed=seed,
+            key=world_key or episode_id, rows_per_kind=world_rows)
         self.stats = stats
         self.max_attempts = max_attempts
+        self.max_argument_bytes = max_argument_bytes
         self.sampling = sampling
         self.outcomes: dict[str, int] = {}
+
+    @property
+    def state(self) -> World:
+        """The episode's world (tables, created/changed/deleted, the call log)."""
+        return self.world
+
+    def record(self) -> dict:
+        """What the trajectory keeps: the world's final state, plus the code runs of a coding episode."""
+        state = self.world.to_dict()
+        if self.code is not None:
+            state["code"] = self.code.to_dict()
+        return state
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
-    async def execute(self, call: dict) -> str:
+    async def execute(self, call: Any) -> str:
         """Run one OpenAI-shaped tool call and return what the tool answers."""
-        fn = call.get("function", {})
+        fn = call.get("function") if isinstance(call, dict) else None
+        fn = fn if isinstance(fn, dict) else {}
         name, raw_args = fn.get("name", ""), fn.get("arguments", "{}")
-        index = len(self.state.calls)
-        # A fixed number of draws per call keeps later calls' outcomes independent of this call's branch.
-        draw_timeout, draw_rate, draw_partial, draw_edge = (self.rng.random() for _ in range(4))
+        name = name if isinstance(name, str) else repr(name)
+        # One draw (and one sub-seed) per call keeps later calls' outcomes independent of this call's branch.
+        u = self.rng.random()
         sub_rng = random.Random(self.rng.getrandbits(64))
-        outcome, result = await self._outcome(name, raw_args, index, (draw_timeout, draw_rate, draw_partial, draw_edge),
-                                              sub_rng)
+        outcome, result = await self._outcome(name, raw_args, u, sub_rng)
         self._count(outcome)
-        self.state.calls.append({"index": index, "name": name, "arguments": raw_args, "outcome": outcome})
+        self.world.calls.append({"index": len(self.world.calls), "name": name[:100],
+                                 "arguments": _shown(raw_args)[:2000], "outcome": outcome})
         return json.dumps(result, ensure_ascii=False)
 
-    async def _outcome(self, name: str, raw_args: Any, index: int, draws: tuple[float, ...],
-                       rng: random.Random) -> tuple[str, Any]:
+    async def _outcome(self, name: str, raw_args: Any, u: float, rng: random.Random) -> tuple[str, Any]:
         tool = self.tools.get(name)
         if tool is None:
-            return "unknown_tool", {"error": "unknown_tool", "message": f"no tool named {name!r}",
+            return "unknown_tool", {"error": "unknown_tool", "message": f"no tool named {name[:100]!r}",
                                     "available": sorted(self.tools)}
-        try:
-            args = json.loads(raw_args) if isinstance(raw_args, str) else raw_args
-        except json.JSONDecodeError as err:
-            return "invalid_arguments", {"error": "invalid_arguments", "message": f"arguments are not JSON: {err}"}
-        problems = ["arguments must be an object"] if not isinstance(args, dict) else value_problems(
-            args, tool.parameters)
+        args, problem = parse_arguments(raw_args, self.max_argument_bytes)
+        if problem is not None:
+            return "invalid_arguments", {"error": "invalid_arguments", "message": problem}
+        problems = value_problems(args, tool.parameters)
         if problems:
-            return "invalid_arguments", {"error": "invalid_arguments", "details": problems}
+            return "invalid_arguments", {"error": "invalid_arguments", "details": problems[:10]}
+        if self.code is not None and name in self.code.tool_names:  # real execution: no injected faults
+            return await self.code.execute(name, args)
         real = self.real_servers.get(name)
         if real is not None:  # real tools give real outcomes: no injected faults
             got = await real.acall_tool(name, args)
             return ("real_error" if got.is_error else "real"), _parse_text(got.as_message_content())
-        draw_timeout, draw_rate, draw_partial, draw_edge = draws
-        if draw_timeout < self.faults.timeout:
+        fault = self.faults.pick(u)
+        if fault == "timeout":
             return "timeout", {"error": "timeout", "message": f"{name} did not respond within 30 s"}
-        if draw_rate < self.faults.rate_limit:
+        if fault == "rate_limited":
             return "rate_limited", {"error": "rate_limited", "retry_after_s": rng.randint(1, 30)}
-        result, effects = await self._simulate(tool, args, index, rng)
-        if draw_edge < self.faults.edge_case:
-            return "edge_case", _edge_case(result)  # nothing matched, so nothing changed
-        self.state.apply(effects)
-        if draw_partial < self.faults.partial:
+        if fault == "edge_case":
+            return "edge_case", self.world.edge_case(name, args)
+        status, result, touched = self.world.call(name, args)
+        if status != "ok":
+            return status, result
+        result = await self._phrase(tool, touched, result)
+        if fault == "partial":
             return "partial", _partial(result)
         return "ok", result
 
-    async def _simulate(self, tool: Tool, args: dict, index: int, rng: random.Random) -> tuple[Any, list[dict]]:
-        if self.model is not None:
-            prompt = (f"You are simulating the tool `{tool.name}`: {tool.description}\n"
-                      f"Parameters schema: {json.dumps(tool.parameters)}\nReturn schema: {json.dumps(tool.returns)}\n"
-                      f"State of the world so far: {self.state.summary()}\nCall arguments: {json.dumps(args)}\n"
-                      "Produce a realistic result consistent with the state, and the call's effects on the state "
-                      '(op is create, update or delete; key names the record). Answer as JSON: {"result": ..., '
-                      f'"effects": [{{"op": "create", "key": "...", "value": ...}}]}}. {JSON_INSTRUCTION}')
-            got = await ask_json(self.model, [{"role": "user", "content": prompt}], _effects_validator(tool.returns),
-                                 stats=self.stats, max_attempts=self.max_attempts, **self.sampling)
-            if got is not None:
-                effects = got["effects"] or verb_effects(tool.name, args, got["result"], index)
-                return got["result"], effects
-            self._count("simulator_fallback")
-        result = fake_value(tool.returns or {"type": "object", "properties": {"status": {"enum": ["ok"]}}}, rng,
-                            tool.name)
-        return result, verb_effects(tool.name, args, result, index)
+    async def _phrase(self, tool: Tool, touched: tuple[str, str] | None, result: Any) -> Any:
+        """Let the model write the text fields the world only faked; the world stores what it wrote."""
+        fields = self.world.phrasable(tool.name, touched, result) if self.model is not None else []
+        if not fields or touched is None:
+            return result
+        prompt = (f"You are the tool `{tool.name}`: {tool.description}\nIts result, read from the database: "
+                  f"{json.dumps(result, ensure_ascii=False)[:1500]}\nThese text fields hold placeholders: "
+                  f"{', '.join(fields)}. Write a short realistic value for each, consistent with the rest of the "
+                  f'result. Answer as JSON: {{"fields": {{"{fields[0]}": "..."}}}}. {JSON_INSTRUCTION}')
+        schema = {"type": "object", "required": ["fields"], "additionalProperties": False, "properties": {
+            "fields": {"type": "object", "required": fields, "additionalProperties": False,
+                       "properties": {f: {"type": "string", "minLength": 1, "maxLength": 200} for f in fields}}}}
+        got = await ask_json(self.model, [{"role": "user", "content": prompt}], _phrase_validator(fields),
+                             schema=schema, stats=self.stats, max_attempts=self.max_attempts, **self.sampling)
+        if got is None:
+            self._count("phrasing_rejected")
+            return result
+        self.world.adopt(touched, got)
+        return {**result, **got}
+
+
+def _shown(raw: Any) -> str:
+    """The arguments as recorded in the call log: the text itself, else JSON, else the type's name."""
+    if isinstance(raw, str):
+        return raw
+    try:
+        return json.dumps(raw, ensure_ascii=False, default=repr)
+    except (ValueError, TypeError, RecursionError):
+        return f"<{type(raw).__name__}>"
 
 
 def _parse_text(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return {"text": text}
 
 
@@ -232,13 +255,3 @@ def _partial(result: Any) -> Any:
     if isinstance(result, list):
         return {"items": result[: max(1, len(result) // 2)], "partial": True}
     return {"result": result, "partial": True}
-
-
-def _edge_case(result: Any) -> Any:
-    """The call matched nothing: lists emptied with a note, or a not-found error when there is no list."""
-    if isinstance(result, dict) and any(isinstance(v, list) for v in result.values()):
-        return {**{k: ([] if isinstance(v, list) else v) for k, v in result.items()},
-                "note": "no matching records found"}
-    if isinstance(result, list):
-        return {"result": [], "note": "no matching records found"}
-    return {"error": "not_found", "message": "no record matches the given arguments"}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from openk2.agentic.domains import SEED_CATEGORIES
+from openk2.agentic.rollout import AGENT_TOOL_CHOICES
 from openk2.agentic.simulate import FaultConfig
 from openk2.configfile import build_section, check_keys, check_table, load_config
 
@@ -29,6 +30,15 @@ class ModelsSection:
     temperature: float = 0.7
     max_tokens: int = 512
     judge_temperature: float = 0.0
+    # per-role budgets (0: max_tokens); constrained replies always close within 2x their schema's reserve
+    generator_max_tokens: int = 0
+    agent_max_tokens: int = 0
+    user_max_tokens: int = 0
+    judge_max_tokens: int = 0
+
+    def tokens_for(self, role: str) -> int:
+        """The completion budget of `role`."""
+        return getattr(self, f"{role}_max_tokens", 0) or self.max_tokens
 
 
 @dataclass(kw_only=True)
@@ -54,7 +64,21 @@ class SimulateSection:
     trajectories_per_task: int = 1
     max_user_turns: int = 2
     max_agent_steps: int = 6
+    world_rows: int = 5  # seeded entities per kind in each episode's world (openk2.agentic.world)
+    # when the task expects tools: "auto" | "required_first" (first agent turn must call a tool) | "required"
+    # (every turn until each expected tool was called); see openk2.agentic.rollout
+    agent_tool_choice: str = "auto"
     faults: FaultConfig = field(default_factory=FaultConfig)
+
+
+@dataclass(kw_only=True)
+class CodingSection:
+    """Coding episodes (openk2.agentic.coding): procedural problems whose hidden tests run in the sandbox."""
+
+    num_tasks: int = 0  # 0: none; else a coding agent with run_code/run_tests and this many tasks
+    timeout_s: float = 10.0  # wall clock per sandboxed run
+    memory_mb: int = 256
+    max_concurrency: int = 2  # sandboxed runs at once, over all episodes
 
 
 @dataclass(kw_only=True)
@@ -71,6 +95,7 @@ class SynthConfig:
     agents: AgentsSection = field(default_factory=AgentsSection)
     simulate: SimulateSection = field(default_factory=SimulateSection)
     run: RunSection = field(default_factory=RunSection)
+    coding: CodingSection = field(default_factory=CodingSection)
 
     def __post_init__(self) -> None:
         positive = {"agents.num_agents": self.agents.num_agents, "agents.tools_per_agent": self.agents.tools_per_agent,
@@ -82,6 +107,16 @@ class SynthConfig:
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key} must be >= 1, got {value}")
+        budgets = ("generator", "agent", "user", "judge")
+        if any(getattr(self.models, f"{r}_max_tokens") < 0 for r in budgets):
+            raise ValueError("models.<role>_max_tokens must be >= 0 (0: models.max_tokens)")
+        if self.simulate.world_rows < 0 or self.coding.num_tasks < 0:
+            raise ValueError("simulate.world_rows and coding.num_tasks must be >= 0")
+        if self.simulate.agent_tool_choice not in AGENT_TOOL_CHOICES:
+            raise ValueError(f"simulate.agent_tool_choice must be one of {AGENT_TOOL_CHOICES}, "
+                             f"got {self.simulate.agent_tool_choice!r}")
+        if self.coding.max_concurrency < 1:
+            raise ValueError(f"coding.max_concurrency must be >= 1, got {self.coding.max_concurrency}")
         if not 0.0 < self.tools.dedup_threshold <= 1.0:
             raise ValueError(f"tools.dedup_threshold must be in (0, 1], got {self.tools.dedup_threshold}")
 
@@ -91,7 +126,8 @@ class SynthConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SynthConfig:
         raw = dict(raw)
-        sections = {"models": ModelsSection, "tools": ToolsSection, "agents": AgentsSection, "run": RunSection}
+        sections = {"models": ModelsSection, "tools": ToolsSection, "agents": AgentsSection, "run": RunSection,
+                    "coding": CodingSection}
         check_keys(raw, [*sections, "simulate"], "unknown section(s) in synth config")
         built = {name: build_section(cls_, name, raw.get(name, {})) for name, cls_ in sections.items()}
         check_table(SimulateSection, "simulate", raw.get("simulate", {}))

@@ -3,7 +3,9 @@ dialogue"): a model plays a user who wants a task done, speaking in a persona's 
 
 The simulator sees the conversation from the user's side (the agent's turns arrive as the other party's
 messages; tool traffic is hidden, as a real user would not see it) and either writes the next user message or
-ends the dialogue with `END_TOKEN` once the goal is met or hopeless.
+ends the dialogue once the goal is met or hopeless. The reply is structured (`USER_SCHEMA`: the message and a
+`done` flag, decoded under the grammar by local backends); a backend that answers in plain text is read as the
+message itself, ending with `END_TOKEN`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from openk2.llm.base import ChatModel
+from openk2.llm.structured import extract_json, json_schema_format
 
 END_TOKEN = "[END]"
+USER_SCHEMA = {"type": "object", "properties": {"message": {"type": "string", "maxLength": 300},
+                                                "done": {"type": "boolean"}}, "required": ["message", "done"]}
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,9 @@ class UserSimulator:
     def _system(self) -> str:
         return (f"You are role-playing a user of an AI assistant. Persona: {self.persona.name}; style: "
                 f"{self.persona.style}.\nYour goal: {self.goal}\nWrite only your next message to the assistant, in "
-                "character, revealing details as a real user would. When the goal is achieved (or the assistant "
-                f"clearly cannot achieve it), reply with exactly {END_TOKEN}.")
+                "character, revealing details as a real user would. Answer as JSON: "
+                '{"message": "your next message", "done": false}. When the goal is achieved (or the assistant '
+                f'clearly cannot achieve it), set "done": true (in plain text: reply with exactly {END_TOKEN}).')
 
     def _view(self, conversation: Sequence[dict]) -> list[dict]:
         """The dialogue with roles swapped (the simulator is the 'assistant' writing user turns)."""
@@ -73,7 +79,17 @@ class UserSimulator:
 
     async def next_message(self, conversation: Sequence[dict]) -> str | None:
         """The next user turn, or None if the user ends the dialogue (or the model returns nothing)."""
-        reply = (await self.model.achat(self._view(conversation), **self.sampling))[0].content or ""
+        reply = (await self.model.achat(self._view(conversation), response_format=json_schema_format(USER_SCHEMA),
+                                        **self.sampling))[0].content or ""
+        try:
+            value = extract_json(reply)
+        except ValueError:
+            value = None
+        if isinstance(value, dict) and isinstance(value.get("message"), str):
+            message = value["message"].replace(END_TOKEN, "").strip()
+            if value.get("done") is True and conversation:  # the first turn cannot end a dialogue
+                return None
+            return message or None
         text = reply.strip()
         if not text or text.startswith(END_TOKEN) or text == END_TOKEN.strip("[]"):
             return None

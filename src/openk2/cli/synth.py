@@ -3,11 +3,14 @@
     openk2 synth tools --out tools.jsonl [--config C] [--mcp CMD]... [--model SPEC] [--no-synthetic]
     openk2 synth tools --stats tools.jsonl
     openk2 synth run --config configs/synth-tiny.toml --out runs/synth [--set section.key=value]...
+    openk2 synth report --out runs/synth
 
 `tools` builds the tool repository (MCP tools listed from the configured servers plus synthetic tools evolved
 from the configured categories) and prints counts per source and domain; its intermediate work is kept in
 `<out>.work/` so an interrupted build resumes. `run` runs the whole pipeline into a directory (resumable;
-see `openk2.agentic.pipeline`) and prints the final statistics.
+see `openk2.agentic.pipeline`), prints the final statistics and writes the acceptance report (`report.md`,
+`funnel.png`, `rejections.png`: counts, acceptance rates and rejection reasons per stage, dedup, tool-call
+validity, throughput); `report` rewrites that report from a run directory's `stages.json`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--config", required=True, help="synth TOML config, e.g. configs/synth-tiny.toml")
     r.add_argument("--out", required=True, help="run directory (an interrupted run resumes from it)")
     r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    rep = sub.add_parser("report", help="write report.md and plots of a run directory")
+    rep.add_argument("--out", required=True, help="run directory of `openk2 synth run`")
     return p
 
 
@@ -75,12 +80,14 @@ def _tools(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from openk2.agentic.pipeline import SynthPipeline
+    from openk2.agentic.report import write_report
 
     cfg = load_synth_config(args.config, args.set)
     stats = SynthPipeline(cfg, args.out).run()
     print(json.dumps(stats, indent=2))
     acc = stats["acceptance"]
     print(f"{acc['accepted']}/{acc['judged']} trajectories accepted -> {Path(args.out) / 'sft.jsonl'}")
+    print(f"acceptance report: {write_report(args.out)}")
     return 0
 
 
@@ -88,6 +95,11 @@ def synth_main(argv: list[str] | None = None) -> int:
     """Entry point of `openk2 synth`; ValueErrors (bad config, bad files) reach the CLI as one line."""
     args = _parser().parse_args(argv)
     try:
+        if args.command == "report":
+            from openk2.agentic.report import write_report
+
+            print(f"acceptance report: {write_report(args.out)}")
+            return 0
         return _tools(args) if args.command == "tools" else _run(args)
     except EndpointUnreachable as err:  # the items that needed the endpoint stay pending for a rerun
         print(f"openk2 synth: error: {err}", file=sys.stderr)

@@ -1,7 +1,9 @@
 """`LocalChatModel`: the openk2 `Engine` on a checkpoint, behind the `ChatModel` interface.
 
 It renders with K2's chat template, samples with the engine and parses K2 tool calls, just as `openk2 serve`
-does (same stop tokens, same `tool_choice` handling), but in-process. One call runs one `engine.generate`;
+does (same stop tokens, same `tool_choice` handling, the same llguidance grammars for `response_format` and forced
+or strict tool calls), but in-process. A constrained sample's last tokens close its JSON (`openk2.llm.finisher`),
+so a structured reply parses whenever the budget allows its shortest completion. One call runs one `engine.generate`;
 concurrent calls (threads or `achat`) take turns on a lock. `chat_batch` samples many conversations in one
 batch.
 """
@@ -24,7 +26,8 @@ class LocalChatModel(ChatModel):
 
     def __init__(self, source: str | Path | tuple[Any, Any], max_batch_size: int = 8, max_seq_len: int = 2048,
                  device: str | None = None, dtype: str | None = None, default_max_tokens: int = 512,
-                 tool_parser: str = "kimi_k2") -> None:
+                 tool_parser: str = "kimi_k2", strict_tool_calls: bool = False,
+                 max_string_length: int | None = None) -> None:
         if isinstance(source, tuple):
             self.engine, self.tokenizer = source
             self.name = "local"
@@ -45,7 +48,10 @@ class LocalChatModel(ChatModel):
             self.name = f"local:{source}"
         self.format = ChatFormat(self.tokenizer, tool_parser)
         self.default_max_tokens = default_max_tokens
+        self.strict_tool_calls = strict_tool_calls  # `auto` calls held to the grammar once a call section opens
+        self.max_string_length = max_string_length  # caps free strings in constrained JSON
         self._lock = threading.Lock()
+        self._token_bytes: list[bytes] | None = None
 
     def _prepare(self, messages: Sequence[dict], tools: Sequence[dict] | None, sampling: dict):
         from openk2.infer.sampling import SamplingParams
@@ -67,14 +73,41 @@ class LocalChatModel(ChatModel):
             max_tokens = min(self.default_max_tokens, self.engine.max_seq_len - len(prompt))
         params = SamplingParams(max_tokens=max_tokens, stop=(stop,) if isinstance(stop, str) else tuple(stop),
                                 stop_token_ids=prepared.stop_token_ids, **sampling)
-        if response_format is not None or choice not in (None, "auto", "none"):
+        strict = self.strict_tool_calls and bool(tools) and choice in (None, "auto")
+        if response_format is not None or choice not in (None, "auto", "none") or strict:
             # Forced tool calls and JSON replies follow their grammar, as in `openk2 serve`.
             from openk2.infer.grammar import reply_constraint
 
             vocab = getattr(getattr(getattr(self.engine, "model", None), "config", None), "vocab_size", None)
-            params.constraint = reply_constraint(self.tokenizer, vocab or self.tokenizer.vocab_size, tools, choice,
-                                                 response_format, parallel_tool_calls=parallel)
+            factory = reply_constraint(self.tokenizer, vocab or self.tokenizer.vocab_size, tools, choice,
+                                       response_format, strict_auto=strict, max_string_length=self.max_string_length,
+                                       parallel_tool_calls=parallel)
+            params.constraint = self._budgeted(factory, max_tokens, tools, response_format)
         return prompt, prepared.prefix, params
+
+    def _budgeted(self, factory: Any, max_tokens: int, tools: Sequence[dict] | None,
+                  response_format: dict | None) -> Any:
+        """`factory`'s constraints, each closing its reply within `max_tokens` (openk2.llm.finisher)."""
+        if factory is None:
+            return None
+        from openk2.chat.grammar import response_schema, tool_schema
+        from openk2.llm.finisher import BudgetedConstraint, Finisher, reserve_for
+
+        _, schema = response_schema(response_format)
+        schemas = [schema] if schema is not None else [tool_schema(t) for t in tools or ()] or [None]
+        reserve = min(max_tokens // 2, max(reserve_for(s) for s in schemas) + 4)  # + call and section ends
+        if self._token_bytes is None:
+            from openk2.infer.grammar import token_bytes
+
+            self._token_bytes = token_bytes(self.tokenizer)
+        tokens = self._token_bytes
+        specials = [i for i, b in enumerate(tokens) if b.startswith(b"\xff")]
+        ends = [i for i in (self.tokenizer.eos_id, self.tokenizer.special_ids.get("<|im_end|>")) if i is not None]
+
+        def build() -> BudgetedConstraint:
+            return BudgetedConstraint(factory(), Finisher(tokens, ends, max_tokens, reserve, specials))
+
+        return build
 
     def _response(self, result: Any, prefix: str, usage: dict, tools: Sequence[dict] | None) -> ChatResponse:
         reply = self.format.finish(result, prefix, tools)
