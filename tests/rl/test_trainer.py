@@ -11,7 +11,7 @@ from openk2.data.tokenizer import K2Tokenizer
 from openk2.model import K2ForCausalLM
 from openk2.rl.config import load_rl_config
 from openk2.rl.rollout import PartialRollout
-from openk2.rl.trainer import RLTrainer, response_logprobs
+from openk2.rl.trainer import RLTrainer, build_rl_optimizer, response_logprobs
 from openk2.rl.warmup import worked_solution
 from openk2.train.metrics import read_metrics
 
@@ -98,7 +98,7 @@ def test_training_logprobs_match_the_engines_before_any_update(tmp_path):
     cfg = load_rl_config(CONFIG, MICRO + ["warmup.steps=0"])
     trainer = RLTrainer(cfg, tmp_path)
     groups = [trainer._new_group() for _ in range(3)]
-    rollout = PartialRollout(max_tokens=8, max_batch_size=16, stop_token_ids=[trainer.im_end])
+    rollout = PartialRollout(max_tokens=trainer.max_tokens, max_batch_size=16, stop_token_ids=[trainer.im_end])
     done, _ = rollout.run(trainer.inference, trainer.tokenizer, groups, iteration=0, version=0)
     trajectories = [t for g in done for t in g.trajectories]
     with torch.no_grad():
@@ -106,3 +106,75 @@ def test_training_logprobs_match_the_engines_before_any_update(tmp_path):
     # pi_theta == pi_old at the first update: the K1.5 log-ratio starts at 0 (up to engine vs training numerics).
     torch.testing.assert_close(logp, torch.tensor([t.logprob_old for t in trajectories]), atol=2e-3, rtol=1e-4)
     assert entropy > 0
+
+
+class _FirstSampleRight:
+    """A stand-in verifier: reward 1 for the first sample of a group when `informative`, else 0 for all."""
+
+    def __init__(self, informative: bool):
+        self.informative, self.calls = informative, 0
+
+    def verify(self, problem, response_text):
+        self.calls += 1
+        return float(self.informative and self.calls % 3 == 1)  # MICRO: 3 samples per group
+
+
+def _finished_groups(trainer):
+    groups = [trainer._new_group() for _ in range(3)]
+    rollout = PartialRollout(max_tokens=trainer.max_tokens, max_batch_size=16, stop_token_ids=[trainer.im_end])
+    done, _ = rollout.run(trainer.inference, trainer.tokenizer, groups, iteration=0, version=0)
+    assert len(done) == 3
+    return done
+
+
+def _weights(model):
+    return [q.detach().clone() for q in model.parameters()]
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_groups_without_reward_signal_take_no_step(tmp_path, drop):
+    """The pipeline stage's regression (docs/rl.md): groups whose K rewards are all 0 have zero advantage, so their
+    gradient is only the regulariser on log pi - log pi_old, here engine-vs-training rounding. A batch of only such
+    groups must leave the policy (and the optimizer's momentum) as it is, whether or not mixed batches drop them."""
+    cfg = load_rl_config(CONFIG, MICRO + ["warmup.steps=0", "loss.budget_penalty=0.0",
+                                          f"loss.drop_uniform_groups={str(drop).lower()}"])
+    trainer = RLTrainer(cfg, tmp_path)
+    groups = _finished_groups(trainer)
+    trainer.envs[0].task = _FirstSampleRight(informative=False)
+    before = _weights(trainer.policy)
+    record = trainer._train(groups)
+    assert record["groups_informative"] == 0 and record["reward_mean"] == 0.0 and record["updates"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(trainer.policy), strict=True))
+    assert not trainer.optimizer.state_dict()["muon"]["state"]
+
+
+def test_muon_step_ignores_the_gradients_scale(tmp_path):
+    """The mechanism behind the regression: MuonClip's step is the same for a gradient and for that gradient times
+    1e-6, so a step on noise is as large as a step on signal."""
+    cfg = load_rl_config(CONFIG, MICRO + ["warmup.steps=0"])
+    steps = []
+    for scale in (1.0, 1e-6):
+        torch.manual_seed(0)
+        policy = K2ForCausalLM(cfg.model)
+        optimizer = build_rl_optimizer(policy, cfg.optim)
+        start = _weights(policy)
+        torch.manual_seed(1)
+        for q in policy.parameters():
+            q.grad = torch.randn_like(q) * scale
+        optimizer.step(None)
+        steps.append([b - a for a, b in zip(start, _weights(policy), strict=True)])
+    norms = [[float(d.norm()) for d in step if d.dim() == 2] for step in steps]
+    ratios = [tiny / big for big, tiny in zip(*norms, strict=True) if big > 0]
+    assert ratios and min(ratios) > 0.5  # a million times smaller gradient, (nearly) the same step
+
+
+def test_groups_with_reward_signal_train(tmp_path):
+    cfg = load_rl_config(CONFIG, MICRO + ["warmup.steps=0"])
+    trainer = RLTrainer(cfg, tmp_path)
+    groups = _finished_groups(trainer)
+    trainer.envs[0].task = _FirstSampleRight(informative=True)
+    before = _weights(trainer.policy)
+    record = trainer._train(groups)
+    assert record["groups_informative"] == 3 and record["updates"] == 1
+    assert record["log_ratio_abs"] < 2e-3  # pi_theta == pi_old before the first update
+    assert any(not torch.equal(a, b) for a, b in zip(before, _weights(trainer.policy), strict=True))

@@ -1,4 +1,4 @@
-"""`openk2 rl`: colocated RL with partial rollout on a verifiable task (configs/rl-tiny.toml)."""
+"""`openk2 rl`: colocated RL with partial rollout on a weighted mixture of verifiable tasks (configs/rl-tiny.toml)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ def rl_main(argv: list[str] | None = None) -> int:
     """`openk2 rl --config configs/rl-tiny.toml [--set section.key=value ...] [--resume]`."""
     parser = argparse.ArgumentParser(
         prog="openk2 rl", description="Colocated RL (K1.5 loss, partial rollout, checkpoint-engine weight sync) "
-                                      "on a verifiable task, after a short supervised warm-up")
+                                      "on a mixture of verifiable tasks ([[envs]], else [task]), after a short "
+                                      "supervised warm-up")
     parser.add_argument("--config", help="RL TOML config (e.g. configs/rl-tiny.toml)")
     add_set_argument(parser, "train.iterations=60")
     parser.add_argument("--out-dir", help="run directory (default: the config's out_dir)")

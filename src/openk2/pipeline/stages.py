@@ -148,6 +148,8 @@ def build_stages(cfg: PipelineConfig, out_dir: str | Path) -> list[Stage]:
     sft_raw = cfg.stage_raw("sft")
     sft_raw.setdefault("sft", {})["init_from"] = str(dirs["pretrain"])
     sft_raw["out_dir"] = str(dirs["sft"])
+    if "data" in pretrain_raw:  # sft.pretrain_fraction mixes in the corpus the model was pre-trained on
+        sft_raw["data"] = copy.deepcopy(pretrain_raw["data"])
     if cfg.sft.task_examples:
         files = list(sft_raw["sft"].get("train_files", []))
         sft_raw["sft"]["train_files"] = [*files, str(dirs["sft"] / TASK_DATA_FILE)]
@@ -221,13 +223,24 @@ def _fingerprint_specs(cfg: PipelineConfig, pretrain_cfg: RunConfig, rl_cfg: RLC
             raw.pop("model", None)
         return raw
 
+    synth_files = user_config("sft").get("sft", {}).get("synth_files", [])
     return {
         "tokenizer": {"tokenizer": dataclasses.asdict(cfg.tokenizer), "data": pretrain_cfg.data.to_dict()},
         "pretrain": {"run": user_config("pretrain"), "vocab_size": cfg.tokenizer.vocab_size},
         "sft": {"run": user_config("sft"), "task_examples": cfg.sft.task_examples,
-                "task": dataclasses.asdict(rl_cfg.task) if cfg.sft.task_examples else None},
+                "task": dataclasses.asdict(rl_cfg.task) if cfg.sft.task_examples else None,
+                **({"synth": _synth_digests(synth_files)} if synth_files else {})},
         "rl": {"run": user_config("rl")},
     }
+
+
+def _synth_digests(paths: list[str]) -> list[str | None]:
+    """A hash of each synthesized-data file the SFT stage reads (a synthesis run that grew is new data)."""
+    digests = []
+    for path in paths:
+        file = Path(path) / "sft.jsonl" if Path(path).is_dir() else Path(path)  # openk2.train.sft_mixture.synth_file
+        digests.append(hashlib.sha256(file.read_bytes()).hexdigest()[:16] if file.is_file() else None)
+    return digests
 
 
 def _eval_stage(cfg: PipelineConfig, out: Path, trained: str, trained_dir: Path) -> Stage:

@@ -1,7 +1,8 @@
 """RL run configuration: one TOML file (`configs/rl-tiny.toml`), one section per component, `--set` overrides.
 
 Sections: [model] (preset + overrides, or `checkpoint` to start from a saved policy), [warmup] (the short
-supervised warm-up that teaches the answer format), [task], [rollout], [loss], [optim], [train].
+supervised warm-up that teaches the answer format), [task], [[envs]] (the environment mixture; without it the
+one environment is [task]), [rollout], [loss], [optim], [train].
 Unknown keys and values of the wrong type are a ValueError naming the key and its file (`openk2.configfile`).
 """
 
@@ -13,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from openk2.config import ModelConfig
-from openk2.configfile import build_section, check_keys, check_table, check_type, load_config, table_errors
+from openk2.configfile import ConfigError, build_section, check_keys, check_table, check_type, load_config, table_errors
 
 TEMPERATURE_SCHEDULES = ("linear", "cosine", "exponential")
+INFERENCE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(kw_only=True)
@@ -47,6 +49,44 @@ class TaskSection:
 
 
 @dataclass(kw_only=True)
+class EnvSection:
+    """One `[[envs]]` entry: a verifiable task in the RL mixture, its share of new groups, its token budget and
+    its curriculum by difficulty."""
+
+    name: str  # an openk2.rl.tasks name; the metrics' per-environment keys end in "/<name>"
+    task: str = ""  # the task to build when `name` is only a label (two envs over one task); "": `name`
+    weight: float = 1.0  # share of the new groups (weights are normalised over the envs)
+    difficulties: list[int] = field(default_factory=lambda: [1])
+    max_tokens: int = 0  # this environment's response budget; 0: rollout.max_tokens, else the task's own
+    # curriculum: 0 draws every level from the start; N opens the levels (sorted) one by one, evenly over the
+    # first N iterations, so the hardest level is drawn only from iteration N * (L - 1) / L on
+    curriculum_iterations: int = 0
+    eval_problems: int = 0  # held-out problems of this environment; 0: task.eval_problems
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("envs.name must name the environment")
+        if self.weight <= 0:
+            raise ValueError(f"envs.weight must be > 0, got {self.weight} for {self.name!r}")
+        if not self.difficulties:
+            raise ValueError(f"envs.difficulties must name at least one level for {self.name!r}")
+        if self.max_tokens < 0 or self.curriculum_iterations < 0 or self.eval_problems < 0:
+            raise ValueError(f"envs.max_tokens, curriculum_iterations and eval_problems must be >= 0 ({self.name!r})")
+
+    @property
+    def task_name(self) -> str:
+        return self.task or self.name
+
+    def levels_at(self, iteration: int) -> list[int]:
+        """The difficulty levels drawn from at `iteration` under the curriculum (all of them without one)."""
+        levels = sorted(self.difficulties)
+        if not self.curriculum_iterations:
+            return levels
+        opened = 1 + (len(levels) * max(iteration, 0)) // self.curriculum_iterations
+        return levels[: min(len(levels), opened)]
+
+
+@dataclass(kw_only=True)
 class RolloutSection:
     prompts_per_iteration: int = 16  # new groups started each iteration
     samples_per_prompt: int = 8  # K in the K1.5 objective
@@ -57,8 +97,16 @@ class RolloutSection:
     final_temperature: float = 1.0  # end of it (equal to `temperature`: no decay)
     temperature_decay_iterations: int = 1
     temperature_schedule: str = "cosine"
+    # R3 (docs/rl.md): record each rollout token's MoE experts and replay them in the training forward
+    routing_replay: bool = False
+    mismatch_every: int = 1  # log the train/rollout mismatch (R3 off and on) every N iterations; 0: off
+    inference_dtype: str = "fp32"  # the rollout copy of the policy: fp32, or bf16 as a serving engine runs it
 
     def __post_init__(self) -> None:
+        if self.mismatch_every < 0:
+            raise ValueError(f"rollout.mismatch_every must be >= 0, got {self.mismatch_every}")
+        if self.inference_dtype not in INFERENCE_DTYPES:
+            raise ValueError(f"rollout.inference_dtype must be one of {INFERENCE_DTYPES}, got {self.inference_dtype!r}")
         for name in ("prompts_per_iteration", "samples_per_prompt", "max_batch_size", "temperature_decay_iterations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"rollout.{name} must be >= 1, got {getattr(self, name)}")
@@ -78,16 +126,24 @@ class LossSection:
     tau: float = 1.0  # K1.5: weight of log(pi / pi_old) in the squared residual
     clip_eps: float = 0.2  # GRPO only
     budget_penalty: float = 0.5  # subtracted from the reward of responses truncated at max_tokens
-    ptx_weight: float = 0.0  # weight of the PTX (warm-up data) language-model loss; 0: off
+    ptx_weight: float = 0.0  # weight of the PTX language-model loss on the curated set (openk2.rl.ptx); 0: off
+    ptx_source: str = "shakespeare"  # the shipped corpus source the curated PTX passages are cut from
+    ptx_tokens: int = 64  # tokens per PTX row
+    ptx_batch: int = 8  # PTX rows per training step
     # log pi(y|x) as the report writes it ("sum" over response tokens) or per token ("mean": the sum divided by
     # the response length, so long responses do not dominate the log-ratio term)
     logp_reduction: str = "sum"
+    # leave out of the loss the groups whose K rewards are all equal (zero advantage: no reward signal, only the
+    # regulariser); an iteration with none of them takes no optimizer step (docs/rl.md, the pipeline's RL stage)
+    drop_uniform_groups: bool = True
 
     def __post_init__(self) -> None:
         if self.tau <= 0:
             raise ValueError(f"loss.tau must be > 0, got {self.tau}")
         if self.logp_reduction not in ("sum", "mean"):
             raise ValueError(f"loss.logp_reduction must be sum or mean, got {self.logp_reduction!r}")
+        if self.ptx_weight < 0 or self.ptx_tokens < 2 or self.ptx_batch < 1:
+            raise ValueError("loss.ptx_weight must be >= 0, loss.ptx_tokens >= 2 and loss.ptx_batch >= 1")
 
 
 @dataclass(kw_only=True)
@@ -137,12 +193,20 @@ class RLConfig:
     loss: LossSection = field(default_factory=LossSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
+    envs: list[EnvSection] = field(default_factory=list)  # [[envs]]; empty: the one environment [task]
     out_dir: str = "runs/rl-tiny"
+
+    def environments(self) -> list[EnvSection]:
+        """The mixture: the [[envs]] entries, or one environment made of [task]."""
+        if self.envs:
+            return self.envs
+        return [EnvSection(name=self.task.name, difficulties=list(self.task.difficulties),
+                           eval_problems=self.task.eval_problems)]
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RLConfig:
         raw = dict(raw)
-        sections = {"model", "warmup", "task", "rollout", "loss", "optim", "train", "out_dir"}
+        sections = {"model", "warmup", "task", "envs", "rollout", "loss", "optim", "train", "out_dir"}
         check_keys(raw, sections, "unknown section(s)")
         check_table(ModelConfig, "model", raw.get("model", {}), extra={"preset": str, "checkpoint": str})
         model = dict(raw.get("model", {}))
@@ -164,6 +228,7 @@ class RLConfig:
             loss=build_section(LossSection, "loss", raw.get("loss", {})),
             optim=build_section(OptimSection, "optim", raw.get("optim", {})),
             train=build_section(TrainSection, "train", raw.get("train", {})),
+            envs=_build_envs(raw.get("envs", [])),
             out_dir=raw.get("out_dir", "runs/rl-tiny"),
         )
 
@@ -174,8 +239,20 @@ class RLConfig:
                for name in ("model", "warmup", "task", "rollout", "loss", "optim", "train")}
         if self.checkpoint is not None:
             out["model"] = {"checkpoint": self.checkpoint}
+        if self.envs:
+            out["envs"] = [dataclasses.asdict(e) for e in self.envs]
         out["out_dir"] = self.out_dir
         return out
+
+
+def _build_envs(raw: Any) -> list[EnvSection]:
+    if not isinstance(raw, list) or not all(isinstance(e, dict) for e in raw):
+        raise ConfigError("envs must be an array of tables ([[envs]])", "envs")
+    built = [build_section(EnvSection, f"envs[{i}]", e) for i, e in enumerate(raw)]
+    names = [e.name for e in built]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"env names must be unique, got {names}", "envs")
+    return built
 
 
 def load_rl_config(path: str | Path | None, overrides: list[str] | None = None) -> RLConfig:
@@ -184,4 +261,4 @@ def load_rl_config(path: str | Path | None, overrides: list[str] | None = None) 
     return load_config(path, overrides, RLConfig.from_dict)
 
 
-__all__ = ["RLConfig", "load_rl_config"]
+__all__ = ["EnvSection", "RLConfig", "load_rl_config"]

@@ -1,8 +1,9 @@
 """Self-critique rubric reward (report 3.2.1, "Beyond Verification"): the policy, acting as critic, compares
 pairs of its own responses against rubrics; a response's reward is its win rate against its siblings.
 
-Rubrics come in three kinds: `core` (the values every answer should have), `prescriptive` (against reward
-hacking: flattery, padding, self-praise) and `user` (loaded from files). Any rubric can be mandatory: if the
+Rubrics come in four kinds: `core` (the values every answer should have), `prescriptive` (against reward
+hacking: flattery, padding, self-praise, unverifiable claims), `task` (what a task's answer must achieve, see
+`TASK_RUBRICS`) and `user` (loaded from files). Any rubric can be mandatory: if the
 critic finds that exactly one response of a pair breaks a mandatory rubric, that response loses whatever
 the rest of the verdict says; otherwise the critic weighs the rubrics as it sees fit.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from openk2.llm.base import ChatModel
 from openk2.rl.tasks.base import Problem, Task
 
-RUBRIC_KINDS = ("core", "prescriptive", "user")
+RUBRIC_KINDS = ("core", "prescriptive", "task", "user")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,13 @@ PRESCRIPTIVE_RUBRICS = (
            "repeated summaries. Length alone is never a merit.", "prescriptive"),
     Rubric("no-self-assessment", "Does not claim its own quality or compliance ('this answer is accurate and "
            "complete'); only the content counts.", "prescriptive", mandatory=True),
+    Rubric("no-unverifiable-claims", "Claims nothing the response itself does not back up: no 'I checked / ran / "
+           "verified this', no invented sources, figures or guarantees.", "prescriptive", mandatory=True),
+)
+# For prompts with a checkable answer (the closed loop's comparisons, rl/critic_loop.py).
+TASK_RUBRICS = (
+    Rubric("correct", "Reaches the right final answer to the task as posed; a wrong answer loses to a right one "
+           "whatever its style.", "task", mandatory=True),
 )
 DEFAULT_RUBRICS = CORE_RUBRICS + PRESCRIPTIVE_RUBRICS
 
@@ -109,15 +117,7 @@ class SelfCritic:
 
     def messages(self, prompt: str, first: str, second: str) -> list[dict]:
         """The critic's conversation for one ordered comparison (first is A, second is B)."""
-        rubric_lines = "\n".join(f"- [{r.kind}{', mandatory' if r.mandatory else ''}] {r.name}: {r.text}"
-                                 for r in self.rubrics)
-        content = (
-            "Compare two responses to the same user prompt against these rubrics. A response that breaks a "
-            "mandatory rubric should lose to one that does not; weigh the others with your own judgment.\n\n"
-            f"Rubrics:\n{rubric_lines}\n\nUser prompt:\n{prompt}\n\nResponse A:\n{first}\n\nResponse B:\n{second}"
-            "\n\nReason briefly, then end with exactly two lines:\nViolations: <A, B, both or none> (mandatory "
-            "rubrics only)\nWinner: <A, B or tie>")
-        return [{"role": "user", "content": content}]
+        return critic_messages(self.rubrics, prompt, first, second)
 
     def compare(self, prompt: str, a: str, b: str) -> Judgment:
         """Judge a against b, once in each order."""
@@ -147,6 +147,19 @@ class SelfCritic:
             wins[i] += score
             wins[j] += 1.0 - score
         return [w / (len(responses) - 1) for w in wins]
+
+
+def critic_messages(rubrics: Sequence[Rubric], prompt: str, first: str, second: str) -> list[dict]:
+    """The critic's conversation comparing `first` (A) with `second` (B) as responses to `prompt`."""
+    rubric_lines = "\n".join(f"- [{r.kind}{', mandatory' if r.mandatory else ''}] {r.name}: {r.text}"
+                             for r in rubrics)
+    content = (
+        "Compare two responses to the same user prompt against these rubrics. A response that breaks a "
+        "mandatory rubric should lose to one that does not; weigh the others with your own judgment.\n\n"
+        f"Rubrics:\n{rubric_lines}\n\nUser prompt:\n{prompt}\n\nResponse A:\n{first}\n\nResponse B:\n{second}"
+        "\n\nReason briefly, then end with exactly two lines:\nViolations: <A, B, both or none> (mandatory "
+        "rubrics only)\nWinner: <A, B or tie>")
+    return [{"role": "user", "content": content}]
 
 
 def parse_verdict(reply: str) -> tuple[str | None, tuple[bool, bool]]:

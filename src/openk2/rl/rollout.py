@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from openk2.infer.engine import Engine, GenerationResult
 from openk2.infer.sampling import SamplingParams
+from openk2.rl.routing_replay import extend_routing
 from openk2.rl.tasks import Problem
 
 _SEED_MOD = 2**62
@@ -43,6 +44,9 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)  # per token, the policy version that sampled it
     finish_reason: str | None = None  # "stop", "length" (hit max_tokens: truncated), None while unfinished
     num_segments: int = 0  # rollout iterations this trajectory has run in
+    # R3: per position of prompt + response (the last token excluded), the L*K experts the rollout ran; empty
+    # unless the rollout records routing (openk2.rl.routing_replay)
+    routing: list[list[int]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -62,6 +66,8 @@ class Group:
     problem: Problem
     trajectories: list[Trajectory]
     started_at: int  # the iteration its first tokens were sampled in
+    env: str = ""  # the environment of the mixture it was drawn from ("": the run's only one)
+    max_tokens: int = 0  # its response budget (an environment's own); 0: the rollout's max_tokens
 
     @property
     def complete(self) -> bool:
@@ -69,12 +75,13 @@ class Group:
 
     def to_dict(self) -> dict[str, Any]:
         return {"group_id": self.group_id, "problem": dataclasses.asdict(self.problem),
-                "trajectories": [dataclasses.asdict(t) for t in self.trajectories], "started_at": self.started_at}
+                "trajectories": [dataclasses.asdict(t) for t in self.trajectories], "started_at": self.started_at,
+                "env": self.env, "max_tokens": self.max_tokens}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Group:
         return cls(raw["group_id"], Problem(**raw["problem"]), [Trajectory(**t) for t in raw["trajectories"]],
-                   raw["started_at"])
+                   raw["started_at"], raw.get("env", ""), raw.get("max_tokens", 0))
 
 
 @dataclass
@@ -90,9 +97,10 @@ class PartialRollout:
     """Samples groups with an Engine, pausing trajectories at `segment_tokens` new tokens per iteration."""
 
     def __init__(self, *, max_tokens: int, segment_tokens: int | None = None, max_batch_size: int = 64,
-                 stop_token_ids: Sequence[int] = (), seed: int = 0) -> None:
+                 stop_token_ids: Sequence[int] = (), seed: int = 0, record_routing: bool = False) -> None:
         """`max_tokens`: a response's total budget (reaching it finishes the trajectory as truncated);
-        `segment_tokens`: at most this many new tokens per trajectory per iteration (None: no pausing)."""
+        `segment_tokens`: at most this many new tokens per trajectory per iteration (None: no pausing);
+        `record_routing`: keep each trajectory's MoE experts per position (`Trajectory.routing`, for R3)."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if segment_tokens is not None and segment_tokens < 1:
@@ -102,6 +110,7 @@ class PartialRollout:
         self.max_batch_size = max_batch_size
         self.stop_token_ids = tuple(stop_token_ids)
         self.seed = seed
+        self.record_routing = record_routing
         self.paused: list[Group] = []  # groups with unfinished trajectories, oldest first
 
     # ------------------------------------------------------------------ state (saved in RL checkpoints)
@@ -120,27 +129,29 @@ class PartialRollout:
         (seed, iteration, group, sample), so a run is reproducible. Unfinished groups stay in `self.paused`.
         """
         groups = self.paused + list(new_groups)
-        longest = max((len(t.prompt_ids) + self.max_tokens for g in groups for t in g.trajectories), default=1)
-        engine = Engine(model, tokenizer, max_batch_size=self.max_batch_size, max_seq_len=longest)
-        owners: dict[str, list[Trajectory]] = {}
+        longest = max((len(t.prompt_ids) + self.budget(g) for g in groups for t in g.trajectories), default=1)
+        engine = Engine(model, tokenizer, max_batch_size=self.max_batch_size, max_seq_len=longest,
+                        record_routing=self.record_routing)
+        owners: dict[str, tuple[list[Trajectory], int]] = {}  # request id -> (its trajectories, their budget)
         resumed = 0
         for g in groups:
             fresh = all(not t.token_ids for t in g.trajectories)
             if fresh:  # one request with n samples: the prompt is prefilled once for the whole group
-                owners[self._submit(engine, g, g.trajectories[0], len(g.trajectories), iteration, temperature)] = \
-                    g.trajectories
+                request = self._submit(engine, g, g.trajectories[0], len(g.trajectories), iteration, temperature)
+                owners[request] = (g.trajectories, self.budget(g))
                 continue
             for i, traj in enumerate(g.trajectories):
                 if not traj.finished:
                     resumed += bool(traj.token_ids)
-                    owners[self._submit(engine, g, traj, 1, iteration, temperature, sample=i)] = [traj]
+                    owners[self._submit(engine, g, traj, 1, iteration, temperature, sample=i)] = ([traj],
+                                                                                              self.budget(g))
         new_tokens, steps = 0, 0
         bar = tqdm(total=sum(len(v) for v in owners.values()), desc="rollout", unit="sample", leave=False,
                    disable=not progress)
         while engine.has_unfinished():
             for result in engine.step():
-                traj = owners[result.request_id][result.sample_index]
-                new_tokens += self._extend(traj, result, version)
+                trajectories, budget = owners[result.request_id]
+                new_tokens += self._extend(trajectories[result.sample_index], result, version, budget)
                 bar.update(1)
             steps += 1
         bar.close()
@@ -150,30 +161,38 @@ class PartialRollout:
         paused = sum(not t.finished for g in self.paused for t in g.trajectories)
         return done, RolloutStats(new_tokens, paused, resumed, len(done), steps)
 
+    def budget(self, group: Group) -> int:
+        """`group`'s response budget: its environment's, else the rollout's `max_tokens`."""
+        return group.max_tokens or self.max_tokens
+
     def _submit(self, engine: Engine, group: Group, traj: Trajectory, n: int, iteration: int, temperature: float,
                 sample: int = 0) -> str:
-        budget = min(self.segment_tokens, self.max_tokens - len(traj.token_ids))
+        budget = min(self.segment_tokens, self.budget(group) - len(traj.token_ids))
         seed = hash((self.seed, iteration, group.group_id, sample)) % _SEED_MOD
         params = SamplingParams(max_tokens=budget, temperature=temperature, seed=seed, n=n,
                                 stop_token_ids=self.stop_token_ids)
         return engine.add_request(traj.prompt_ids + traj.token_ids, params,
                                   request_id=f"g{group.group_id}-s{sample}")
 
-    def _extend(self, traj: Trajectory, result: GenerationResult, version: int) -> int:
+    def _extend(self, traj: Trajectory, result: GenerationResult, version: int, budget: int) -> int:
+        if self.record_routing:
+            extend_routing(traj, result.routing, len(result.prompt_token_ids))
         traj.token_ids += result.token_ids
         traj.logprobs += result.logprobs
         traj.versions += [version] * len(result.token_ids)
         traj.num_segments += 1
         if result.finish_reason == "stop":
             traj.finish_reason = "stop"
-        elif len(traj.token_ids) >= self.max_tokens:
+        elif len(traj.token_ids) >= budget:
             traj.finish_reason = "length"  # truncated by the response budget (budget control penalises it)
         return len(result.token_ids)  # else: paused at the segment budget, resumed next iteration
 
 
-def new_group(group_id: int, problem: Problem, prompt_ids: list[int], num_samples: int, iteration: int) -> Group:
-    """A group of `num_samples` empty trajectories for `problem`."""
-    return Group(group_id, problem, [Trajectory(list(prompt_ids)) for _ in range(num_samples)], iteration)
+def new_group(group_id: int, problem: Problem, prompt_ids: list[int], num_samples: int, iteration: int,
+              env: str = "", max_tokens: int = 0) -> Group:
+    """A group of `num_samples` empty trajectories for `problem` (from environment `env`, budget `max_tokens`)."""
+    return Group(group_id, problem, [Trajectory(list(prompt_ids)) for _ in range(num_samples)], iteration, env,
+                 max_tokens)
 
 
 __all__ = ["Group", "PartialRollout", "RolloutStats", "Trajectory", "new_group"]

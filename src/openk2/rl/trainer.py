@@ -38,13 +38,17 @@ from openk2.data.tokenizer import K2Tokenizer
 from openk2.infer.engine import Engine
 from openk2.infer.sampling import SamplingParams
 from openk2.model import ForwardStats, K2ForCausalLM
+from openk2.model.routing import RoutingTrace
 from openk2.optim.muonclip import MuonClip
-from openk2.rl import tasks
 from openk2.rl.ckpt_engine import sync_in_process
 from openk2.rl.config import OptimSection, RLConfig
 from openk2.rl.loss import budget_penalty, decayed_temperature, get_loss, ptx_loss
+from openk2.rl.mismatch import mismatch_record
+from openk2.rl.mixture import MixtureEnv, build_mixture, choose_env, held_out_problems
+from openk2.rl.ptx import PTXStream
 from openk2.rl.rollout import Group, PartialRollout, new_group
-from openk2.rl.warmup import encode_prompt, problems, run_warmup, sft_batch
+from openk2.rl.routing_replay import replay_trace
+from openk2.rl.warmup import encode_prompt, run_warmup
 from openk2.rng import RNG_FILE, load_rng_state, save_rng_state, seed_everything
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.metrics import MetricsLogger, read_metrics
@@ -75,9 +79,10 @@ class RLTrainer:
             torch.set_num_threads(cfg.train.threads)
         seed = cfg.train.seed
         seed_everything(seed)
-        self.task = tasks.get(cfg.task.name)
-        self.eval_problems = held_out_problems(self.task, cfg.task.difficulties, cfg.task.eval_problems, seed)
-        self.exclude = {p.prompt for p in self.eval_problems}
+        self.envs = build_mixture(cfg, seed)
+        self.env_by_name = {e.name: e for e in self.envs}
+        self.task = self.envs[0].task  # the first environment's task (the only one without [[envs]])
+        self.eval_problems = [p for e in self.envs for p in e.eval_problems]
         self.ckpts = CheckpointManager(self.out_dir / "checkpoints", keep_last=cfg.train.keep_checkpoints)
         resume_from = self.ckpts.latest() if resume else None
         if resume and resume_from is None:
@@ -87,16 +92,21 @@ class RLTrainer:
             self.policy = K2ForCausalLM.from_pretrained(source, dtype=torch.float32)
             self.tokenizer = K2Tokenizer.load(source)
         else:
-            self.policy, self.tokenizer = run_warmup(cfg, self.task, self.out_dir, self.exclude)
+            warm = self._warmup_env()
+            self.policy, self.tokenizer = run_warmup(cfg, warm.task, self.out_dir, warm.exclude,
+                                                     warm.spec.difficulties)
         self.inference = copy.deepcopy(self.policy).eval()  # the rollout engine's weights (decoupled copy)
+        if cfg.rollout.inference_dtype == "bf16":  # as a serving engine runs it; the weight sync casts on copy
+            self.inference.to(torch.bfloat16)
         self.optimizer = build_rl_optimizer(self.policy, cfg.optim)
         self.im_end = ChatFormat(self.tokenizer).end_of_turn_id  # the rollouts' stop token
-        self.max_tokens = cfg.rollout.max_tokens or self.task.max_tokens
+        self.max_tokens = max(e.max_tokens for e in self.envs)  # the longest budget; each group has its own
         self.rollout = PartialRollout(max_tokens=self.max_tokens, segment_tokens=cfg.rollout.segment_tokens or None,
                                       max_batch_size=cfg.rollout.max_batch_size, stop_token_ids=[self.im_end],
-                                      seed=seed)
+                                      seed=seed, record_routing=cfg.rollout.routing_replay
+                                      or cfg.rollout.mismatch_every > 0)
         self.loss_fn = get_loss(cfg.loss.name)
-        self.ptx_stream = problems(self.task, cfg.task.difficulties, seed + 3, self.exclude)
+        self.ptx = PTXStream(self.tokenizer, cfg.loss, seed + 3) if cfg.loss.ptx_weight > 0 else None
         self.iteration = 0
         self.next_group = 0
         if resume_from is not None:
@@ -159,12 +169,18 @@ class RLTrainer:
     # ------------------------------------------------------------------------------------------ training
     def _rewards(self, groups: list[Group]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Verified rewards [P, K], rewards after the budget penalty [P, K], response lengths [P, K]."""
-        raw, lengths = [], []
+        raw, lengths, budgets = [], [], []
         for g in groups:
-            raw.append([self.task.verify(g.problem, self._response_text(t.token_ids)) for t in g.trajectories])
+            task = self._env(g).task
+            raw.append([task.verify(g.problem, self._response_text(t.token_ids)) for t in g.trajectories])
             lengths.append([len(t.token_ids) for t in g.trajectories])
+            budgets.append([self.rollout.budget(g)] * len(g.trajectories))
         raw_t, len_t = torch.tensor(raw), torch.tensor(lengths)
-        return raw_t, budget_penalty(raw_t, len_t, self.max_tokens, self.cfg.loss.budget_penalty), len_t
+        penalised = budget_penalty(raw_t, len_t, torch.tensor(budgets), self.cfg.loss.budget_penalty)
+        return raw_t, penalised, len_t
+
+    def _env(self, group: Group) -> MixtureEnv:
+        return self.env_by_name.get(group.env) or self.envs[0]  # "" (a checkpoint from before the mixture)
 
     def _response_text(self, token_ids: list[int]) -> str:
         ids = token_ids[:-1] if token_ids and token_ids[-1] == self.im_end else token_ids
@@ -172,6 +188,27 @@ class RLTrainer:
 
     def _train(self, groups: list[Group]) -> dict:
         raw, rewards, lengths = self._rewards(groups)
+        budgets = torch.tensor([[self.rollout.budget(g)] for g in groups])
+        record = {"reward_mean": float(raw.mean()), "reward_penalised_mean": float(rewards.mean()),
+                  "response_len": float(lengths.float().mean()),
+                  "truncated": float((lengths >= budgets).float().mean())}
+        if len(self.envs) > 1:
+            record.update(per_env_metrics(raw, lengths, [g.env for g in groups]))
+        informative = informative_groups(rewards)
+        record["groups_informative"] = int(informative.sum())
+        every = self.cfg.rollout.mismatch_every
+        if every and (self.iteration - 1) % every == 0:  # before any update: the weights that sampled them
+            record.update(mismatch_record(self.policy, [t for g in groups for t in g.trajectories],
+                                          self.tokenizer.pad_id, version=self.iteration - 1))
+        if not informative.any():
+            # No group has a reward signal: the gradient would be only the regulariser on log pi - log pi_old
+            # (engine-vs-training rounding on fresh samples). Muon and AdamW normalise the step, so it would be a
+            # full-size step in a direction that is pure noise (docs/rl.md, "The pipeline's RL stage"): take none.
+            return {**record, "loss": float("nan"), "grad_norm": float("nan"), "entropy": float("nan"),
+                    "updates": 0}
+        if self.cfg.loss.drop_uniform_groups:  # also leave the zero-advantage groups out of a mixed batch
+            groups = [g for g, keep in zip(groups, informative.tolist(), strict=True) if keep]
+            rewards, lengths = rewards[informative], lengths[informative]
         trajectories = [t for g in groups for t in g.trajectories]
         p, k = rewards.shape
         logp_old = torch.tensor([t.logprob_old for t in trajectories]).view(p, k)
@@ -179,26 +216,27 @@ class RLTrainer:
         if per_token:  # both log-probs of the log-ratio become per-token means
             logp_old = logp_old / lengths.clamp(min=1)
         self.policy.train()
-        losses, entropy, grad_norm, clip = [], float("nan"), float("nan"), None
+        # R3: every update's forward runs the experts the rollout ran (gate weights from the current router)
+        routing = replay_trace(trajectories, self.policy.config) if self.cfg.rollout.routing_replay else None
+        losses, entropy, grad_norm, clip, log_ratio = [], float("nan"), float("nan"), None, float("nan")
         for update in range(self.cfg.train.updates_per_iteration):
             stats = ForwardStats(self.policy.config, track_max_logits=True)  # this update's; MuonClip reads it
-            logp_N, token_entropy = response_logprobs(self.policy, trajectories, self.tokenizer.pad_id, stats)
+            logp_N, token_entropy = response_logprobs(self.policy, trajectories, self.tokenizer.pad_id, stats,
+                                                      routing=routing)
+            logp_PK = logp_N.view(p, k) / lengths.clamp(min=1) if per_token else logp_N.view(p, k)
             if update == 0:
                 entropy = token_entropy
-            logp_PK = logp_N.view(p, k) / lengths.clamp(min=1) if per_token else logp_N.view(p, k)
+                log_ratio = float((logp_PK.detach() - logp_old).abs().mean())
             loss = self._policy_loss(logp_PK, logp_old, rewards)
-            if self.cfg.loss.ptx_weight > 0:
-                ptx_ids, ptx_labels = sft_batch(self.tokenizer, [next(self.ptx_stream) for _ in range(p)])
-                loss = loss + ptx_loss(self.policy, ptx_ids, self.cfg.loss.ptx_weight, ptx_labels, stats=stats)
+            if self.ptx is not None:
+                loss = loss + ptx_loss(self.policy, self.ptx.batch(), self.cfg.loss.ptx_weight, stats=stats)
             loss.backward()
             grad_norm = self._clip_gradients()
             clip = self.optimizer.step(stats.max_logits())
             self.optimizer.zero_grad()
             losses.append(loss.item())
-        return {"reward_mean": float(raw.mean()), "reward_penalised_mean": float(rewards.mean()),
-                "response_len": float(lengths.float().mean()),
-                "truncated": float((lengths >= self.max_tokens).float().mean()),
-                "entropy": entropy, "loss": float(np.mean(losses)), "grad_norm": grad_norm,
+        return {**record, "entropy": entropy, "loss": float(np.mean(losses)), "grad_norm": grad_norm,
+                "log_ratio_abs": log_ratio, "updates": len(losses),
                 "max_logit": clip.max_logit if clip is not None else float("nan"),
                 "policy_lag": float(np.mean([self.iteration - 1 - min(t.versions) for t in trajectories]))}
 
@@ -215,31 +253,46 @@ class RLTrainer:
     def _new_group(self) -> Group:
         gid = self.next_group
         self.next_group += 1
-        problem = next(problems(self.task, self.cfg.task.difficulties, hash((self.cfg.train.seed, gid)),
-                                self.exclude))
+        seed = self.cfg.train.seed
+        env = choose_env(self.envs, seed=hash((seed, gid, 1)))  # ints only: hash() of a str varies per process
+        problem = env.draw(hash((seed, gid)), self.iteration)
         return new_group(gid, problem, encode_prompt(self.tokenizer, problem), self.cfg.rollout.samples_per_prompt,
-                         self.iteration)
+                         self.iteration, env=env.name, max_tokens=env.max_tokens)
+
+    def _warmup_env(self) -> MixtureEnv:
+        """The environment the supervised warm-up writes worked solutions for (arithmetic only)."""
+        for env in self.envs:
+            if env.spec.task_name == "arithmetic":
+                return env
+        raise ValueError("the supervised warm-up writes arithmetic solutions; a mixture without arithmetic needs "
+                         "[model] checkpoint = <an SFT policy>")
 
     # ------------------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
         """Mean verified reward on the held-out problems: greedy, and `task.eval_samples` samples each at T = 1
-        (seeds seed, seed+1, ...: the same draws at every evaluation, so evaluations are paired)."""
+        (seeds seed, seed+1, ...: the same draws at every evaluation, so evaluations are paired). With several
+        environments, `eval_reward/<env>` and `eval_reward_sampled/<env>` too; the plain keys pool them all."""
+        prompts = {e.name: [encode_prompt(self.tokenizer, p) for p in e.eval_problems] for e in self.envs}
+        longest = max(len(ids) + e.max_tokens for e in self.envs for ids in prompts[e.name])
         engine = Engine(self.inference, self.tokenizer, max_batch_size=self.cfg.rollout.max_batch_size,
-                        max_seq_len=max(len(encode_prompt(self.tokenizer, p)) for p in self.eval_problems)
-                        + self.max_tokens)
-        prompts = [encode_prompt(self.tokenizer, p) for p in self.eval_problems]
-        out = {}
+                        max_seq_len=longest)
         passes = [("eval_reward", 0.0, 0)] + [("eval_reward_sampled", 1.0, i)
                                                for i in range(self.cfg.task.eval_samples)]
         scores: dict[str, list[float]] = {}
-        for name, temperature, offset in passes:
-            params = SamplingParams(max_tokens=self.max_tokens, temperature=temperature,
-                                    seed=self.cfg.train.seed + offset, stop_token_ids=[self.im_end])
-            results = engine.generate(prompts, params)
-            scores.setdefault(name, []).extend(self.task.verify(p, self._response_text(r.token_ids))
-                                               for p, r in zip(self.eval_problems, results, strict=True))
-            if temperature == 0.0:
-                out["eval_response_len"] = float(np.mean([len(r.token_ids) for r in results]))
+        greedy_lengths: list[int] = []
+        for env in self.envs:
+            for name, temperature, offset in passes:
+                params = SamplingParams(max_tokens=env.max_tokens, temperature=temperature,
+                                        seed=self.cfg.train.seed + offset, stop_token_ids=[self.im_end])
+                results = engine.generate(prompts[env.name], params)
+                values = [env.task.verify(p, self._response_text(r.token_ids))
+                          for p, r in zip(env.eval_problems, results, strict=True)]
+                scores.setdefault(name, []).extend(values)
+                if len(self.envs) > 1:
+                    scores.setdefault(f"{name}/{env.name}", []).extend(values)
+                if temperature == 0.0:
+                    greedy_lengths += [len(r.token_ids) for r in results]
+        out = {"eval_response_len": float(np.mean(greedy_lengths))}
         out.update({name: float(np.mean(values)) for name, values in scores.items()})
         return out
 
@@ -268,6 +321,22 @@ class RLTrainer:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def informative_groups(rewards_PK: torch.Tensor) -> torch.Tensor:
+    """[P] bool: the groups whose K rewards are not all equal (the others have zero advantage for every sample)."""
+    return rewards_PK.amax(dim=1) > rewards_PK.amin(dim=1)
+
+
+def per_env_metrics(raw_PK: torch.Tensor, lengths_PK: torch.Tensor, envs: list[str]) -> dict[str, float]:
+    """`reward_mean/<env>`, `response_len/<env>` and `groups_trained/<env>` of one iteration's trained groups."""
+    out: dict[str, float] = {}
+    for name in sorted(set(envs)):
+        rows = torch.tensor([e == name for e in envs])
+        out[f"reward_mean/{name}"] = float(raw_PK[rows].mean())
+        out[f"response_len/{name}"] = float(lengths_PK[rows].float().mean())
+        out[f"groups_trained/{name}"] = int(rows.sum())
+    return out
+
+
 def build_rl_optimizer(policy: torch.nn.Module, oc: OptimSection) -> MuonClip:
     """MuonClip with Muon or AdamW, or with SGD + momentum in its AdamW slot (QK-Clip and the probe still run).
 
@@ -284,12 +353,14 @@ def build_rl_optimizer(policy: torch.nn.Module, oc: OptimSection) -> MuonClip:
 
 
 def response_logprobs(model: torch.nn.Module, trajectories: list, pad_id: int,
-                      stats: ForwardStats | None = None) -> tuple[torch.Tensor, float]:
+                      stats: ForwardStats | None = None,
+                      routing: RoutingTrace | None = None) -> tuple[torch.Tensor, float]:
     """log pi(y|x) [N] of each trajectory's response under `model` (with grad), from one plain forward of
-    prompt + response (recorded into `stats` when given), and the mean per-token entropy of the policy over the
+    prompt + response (recorded into `stats` when given; replaying the rollout's experts when `routing` is
+    `routing_replay.replay_trace(trajectories, ...)`), and the mean per-token entropy of the policy over the
     response positions."""
     ids_NT, targets_NT, mask_NT = _pack_sequences(trajectories, pad_id)
-    logp_NTV = model(ids_NT, stats=stats).logits[:, :-1].float().log_softmax(-1)
+    logp_NTV = model(ids_NT, stats=stats, routing=routing).logits[:, :-1].float().log_softmax(-1)
     token_logp = logp_NTV.gather(-1, targets_NT[..., None]).squeeze(-1) * mask_NT
     with torch.no_grad():
         entropy_NT = -(logp_NTV.exp() * logp_NTV).sum(-1)
@@ -308,20 +379,6 @@ def _pack_sequences(trajectories, pad_id: int) -> tuple[torch.Tensor, torch.Tens
         ids[b, : len(seq)] = torch.tensor(seq)
         mask[b, len(t.prompt_ids) - 1: len(seq) - 1] = 1.0
     return ids, ids[:, 1:], mask
-
-
-def held_out_problems(task, difficulties: list[int], count: int, seed: int) -> list:
-    """`count` distinct evaluation problems (a seed stream of their own)."""
-    seen, out = set(), []
-    stream = problems(task, difficulties, seed + 10_000, set())
-    for _ in range(count * 100):
-        problem = next(stream)
-        if problem.prompt not in seen:
-            seen.add(problem.prompt)
-            out.append(problem)
-            if len(out) == count:
-                return out
-    raise ValueError(f"task {task.name} at difficulties {difficulties} has fewer than {count} distinct problems")
 
 
 def plot_rl_curves(run_dir: str | Path) -> Path | None:
@@ -358,4 +415,6 @@ def plot_rl_curves(run_dir: str | Path) -> Path | None:
     return path
 
 
-__all__ = ["RLSummary", "RLTrainer", "build_rl_optimizer", "plot_rl_curves", "response_logprobs"]
+__all__ = ["RLSummary", "RLTrainer", "build_rl_optimizer", "held_out_problems", "informative_groups",
+           "per_env_metrics", "plot_rl_curves",
+           "response_logprobs"]

@@ -16,7 +16,6 @@ purpose (`warmup.steps`): the policy should know the format but still make mista
 
 from __future__ import annotations
 
-import random
 import re
 import shutil
 import sys
@@ -33,6 +32,7 @@ from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.optim.muonclip import MuonClip
 from openk2.optim.schedule import WSDConfig, wsd_lr
 from openk2.rl.config import RLConfig
+from openk2.rl.mixture import problems
 from openk2.rl.tasks import Problem, Task
 from openk2.rng import seed_everything
 
@@ -71,15 +71,6 @@ def encode_prompt(tokenizer: K2Tokenizer, problem: Problem) -> list[int]:
     return ChatFormat(tokenizer).prepare([{"role": "user", "content": problem.prompt}]).token_ids
 
 
-def problems(task: Task, difficulties: list[int], seed: int, exclude: set[str]) -> Iterator[Problem]:
-    """An endless, seeded stream of problems at random `difficulties`, skipping `exclude`d prompts."""
-    rng = random.Random(seed)
-    while True:
-        problem = task.generate(rng.randrange(2**31), rng.choice(difficulties))
-        if problem.prompt not in exclude:
-            yield problem
-
-
 def sft_text(problem: Problem) -> tuple[str, str]:
     """(prompt text, target text) of one warm-up example: the worked solution, then the end-of-turn token."""
     return chat_prompt(problem), worked_solution(problem.data["expression"]) + IM_END
@@ -103,15 +94,17 @@ def sft_batch(tokenizer: K2Tokenizer, batch: list[Problem]) -> tuple[torch.Tenso
 
 
 # ---------------------------------------------------------------------- the run
-def run_warmup(cfg: RLConfig, task: Task, out_dir: Path, exclude: set[str]) -> tuple[K2ForCausalLM, K2Tokenizer]:
-    """Train (or reload, when `out_dir/warmup` holds a finished one) the warmed-up policy and its tokenizer."""
+def run_warmup(cfg: RLConfig, task: Task, out_dir: Path, exclude: set[str],
+               difficulties: list[int] | None = None) -> tuple[K2ForCausalLM, K2Tokenizer]:
+    """Train (or reload, when `out_dir/warmup` holds a finished one) the warmed-up policy and its tokenizer, on
+    `task`'s problems at `difficulties` (default: [task] difficulties) minus the `exclude`d held-out prompts."""
     done = out_dir / WARMUP_DIR
     if (done / "config.json").is_file() and (done / "tokenizer.json").is_file():
         print(f"warm-up: reusing {done}", file=sys.stderr)
         return K2ForCausalLM.from_pretrained(done, dtype=torch.float32), K2Tokenizer.load(done)
     wc = cfg.warmup
     seed = cfg.train.seed
-    stream = problems(task, cfg.task.difficulties, seed + 1, exclude)
+    stream = problems(task, difficulties or cfg.task.difficulties, seed + 1, exclude)
     texts = ["".join(sft_text(next(stream))) for _ in range(wc.tokenizer_examples)]
     tokenizer = train_tokenizer(texts, cfg.model.vocab_size)
     seed_everything(seed)  # the policy's initial weights

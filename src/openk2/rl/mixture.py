@@ -1,0 +1,86 @@
+"""The RL loop's environment mixture (K2 report 3.2.1-3.2.2): several verifiable tasks in one loop, each with its
+share of the new groups, its own response budget, its difficulty curriculum and its held-out problems.
+
+Every new group draws its environment by weight, from a seed of its own (run seed, group id), so a resumed
+run and a fresh one draw the same environments and problems; a one-environment mixture draws the same
+problems as the loop did before it had a mixture. The held-out problems of an environment are excluded from
+its training stream (and from the supervised warm-up's).
+
+Multi-turn tool environments (`openk2.rl.env.ToolEnv`, the tau2 retail tools of `openk2.eval.tau2_env`) are
+not in the mixture yet: the loop's rollout is one assistant turn per group. The hook is `MixtureEnv`: an entry
+whose rollout runs tool calls would give `PartialRollout` its episodes and return their verified rewards here.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from openk2.rl import tasks
+from openk2.rl.config import EnvSection, RLConfig
+from openk2.rl.tasks import Problem, Task
+
+
+@dataclass
+class MixtureEnv:
+    """One environment of the mixture: its config entry, the task, its token budget and held-out problems."""
+
+    spec: EnvSection
+    task: Task
+    max_tokens: int
+    eval_problems: list[Problem]
+    exclude: set[str] = field(default_factory=set)  # held-out prompts, never drawn for training
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def draw(self, seed: int, iteration: int) -> Problem:
+        """The training problem for a group seeded `seed`, at the curriculum's levels of `iteration`."""
+        return next(problems(self.task, self.spec.levels_at(iteration), seed, self.exclude))
+
+
+def build_mixture(cfg: RLConfig, seed: int) -> list[MixtureEnv]:
+    """The run's environments, with held-out problems drawn from a stream of their own (seed + 10_000)."""
+    envs = []
+    for spec in cfg.environments():
+        task = tasks.get(spec.task_name)
+        budget = spec.max_tokens or cfg.rollout.max_tokens or task.max_tokens
+        count = spec.eval_problems or cfg.task.eval_problems
+        held_out = held_out_problems(task, spec.difficulties, count, seed)
+        envs.append(MixtureEnv(spec, task, budget, held_out, {p.prompt for p in held_out}))
+    return envs
+
+
+def choose_env(envs: Sequence[MixtureEnv], seed: int) -> MixtureEnv:
+    """The environment of a new group seeded `seed`, drawn by weight (no draw with one environment)."""
+    if len(envs) == 1:
+        return envs[0]
+    return random.Random(seed).choices(list(envs), weights=[e.spec.weight for e in envs])[0]
+
+
+def problems(task: Task, difficulties: list[int], seed: int, exclude: set[str]) -> Iterator[Problem]:
+    """An endless, seeded stream of problems at random `difficulties`, skipping `exclude`d prompts."""
+    rng = random.Random(seed)
+    while True:
+        problem = task.generate(rng.randrange(2**31), rng.choice(difficulties))
+        if problem.prompt not in exclude:
+            yield problem
+
+
+def held_out_problems(task: Task, difficulties: list[int], count: int, seed: int) -> list[Problem]:
+    """`count` distinct evaluation problems (a seed stream of their own)."""
+    seen, out = set(), []
+    stream = problems(task, difficulties, seed + 10_000, set())
+    for _ in range(count * 100):
+        problem = next(stream)
+        if problem.prompt not in seen:
+            seen.add(problem.prompt)
+            out.append(problem)
+            if len(out) == count:
+                return out
+    raise ValueError(f"task {task.name} at difficulties {difficulties} has fewer than {count} distinct problems")
+
+
+__all__ = ["MixtureEnv", "build_mixture", "choose_env", "held_out_problems", "problems"]
