@@ -15,7 +15,7 @@ import torch
 
 from openk2.optim.newton_schulz import NS_KERNELS, newton_schulz
 
-__all__ = ["clear_ns_kernel_cache", "fastest_kernel", "measure_ns_kernels", "select_ns_kernel"]
+__all__ = ["clear_ns_kernel_cache", "fastest_kernel", "measure_ns_kernels", "pin_ns_kernel", "select_ns_kernel"]
 
 # Preference on equal times: the native kernel is what torch.optim.Muon and GPUs compute.
 _PREFERENCE = ("native", "emulated", "fp32")
@@ -80,3 +80,10 @@ def select_ns_kernel(device: torch.device, dtype: torch.dtype, *, measure: Measu
 def clear_ns_kernel_cache() -> None:
     """Forget measured choices (tests; or after moving to different hardware in one process)."""
     _CACHE.clear()
+
+
+def pin_ns_kernel(device: torch.device, dtype: torch.dtype, kernel: str) -> None:
+    """Use `kernel` for (device, dtype) from now on in this process, as if it had been measured fastest."""
+    if kernel not in NS_KERNELS:
+        raise ValueError(f"unknown Newton-Schulz kernel {kernel!r}; valid: {', '.join(NS_KERNELS)}")
+    _CACHE[(device.type, device.index, dtype)] = kernel

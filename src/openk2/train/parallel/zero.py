@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from openk2.optim.muonclip import ClipStats
+from openk2.optim.ns_kernel import pin_ns_kernel, select_ns_kernel
 from openk2.optim.param_groups import MuonFilter, default_muon_filter
 from openk2.optim.qk_clip import QKClip, reduce_max_logits, unrecorded_max_logits
 from openk2.train.parallel import comm_clock
@@ -230,6 +231,7 @@ def build_optimizer(model: nn.Module, expert_names: frozenset[str], mesh: Parall
     """The parallel trainer's optimizer for this rank's share (`OptimSection.muonclip_kwargs()` as keywords):
     dense weights replicated over the "data" group, routed experts over "dp"; `parallel.param_dtype` weights
     (bfloat16: cast here, after the fp32 masters are taken)."""
+    agree_ns_kernel(next(model.parameters()).device, muonclip_kwargs.get("ns_dtype", torch.bfloat16))
     if isinstance(model, PipelineModel):
         named, attention = model.named_full_parameters(), model.attention
     else:
@@ -237,3 +239,15 @@ def build_optimizer(model: nn.Module, expert_names: frozenset[str], mesh: Parall
     return DistributedMuonClip(model, named, attention, **muonclip_kwargs, expert_names=expert_names,
                                dense_group=mesh.group("data"), expert_group=mesh.group("dp"),
                                param_dtype=PARAM_DTYPES[mesh.config.param_dtype])
+
+
+def agree_ns_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """Rank 0 measures the Newton-Schulz kernel (optim/ns_kernel.py) and every rank pins its choice, so a run's
+    numerics do not depend on which rank happened to be slowed down while timing; returns the kernel."""
+    kernel = select_ns_kernel(device, dtype) if not dist.is_initialized() or dist.get_rank() == 0 else None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [kernel]
+        dist.broadcast_object_list(box, src=0)
+        kernel = box[0]
+    pin_ns_kernel(device, dtype, kernel)
+    return kernel
