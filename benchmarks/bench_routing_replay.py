@@ -35,7 +35,7 @@ from openk2.model import K2ForCausalLM  # noqa: E402
 from openk2.rl import tasks  # noqa: E402
 from openk2.rl.mismatch import mismatch_record  # noqa: E402
 from openk2.rl.rollout import Trajectory  # noqa: E402
-from openk2.rl.routing_replay import extend_routing, replay_trace  # noqa: E402
+from openk2.rl.routing_replay import replay_trace  # noqa: E402
 
 COLUMNS = ("logp_diff_median", "logp_diff_p90", "logp_diff_p99", "logp_diff_max", "logp_diff_mean", "route_agree")
 
@@ -68,15 +68,7 @@ def _rollout(model: K2ForCausalLM, args: argparse.Namespace, seed: int) -> list[
                     record_routing=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=seed, n=args.samples,
                             ignore_eos=not stop_ids, stop_token_ids=stop_ids)
-    out = []
-    for r in engine.generate(prompts, params):
-        traj = Trajectory(list(r.prompt_token_ids))
-        traj.routing = []
-        extend_routing(traj, r.routing, len(r.prompt_token_ids))
-        traj.token_ids, traj.logprobs, traj.versions = list(r.token_ids), list(r.logprobs), [0] * len(r.token_ids)
-        traj.finish_reason = r.finish_reason
-        out.append(traj)
-    return out
+    return [Trajectory.from_result(r) for r in engine.generate(prompts, params)]
 
 
 def _forward_seconds(policy: K2ForCausalLM, trajectories: list[Trajectory], replay: bool, repeats: int) -> float:

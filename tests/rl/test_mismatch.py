@@ -33,15 +33,7 @@ def _model(seed: int = 0, **overrides) -> K2ForCausalLM:
 def _rollout(model, prompts, samples=2, max_tokens=6, seed=0, record=True):
     engine = Engine(model, max_batch_size=8, max_seq_len=64, record_routing=record)
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, n=samples, ignore_eos=True)
-    out = []
-    for r in engine.generate(prompts, params):
-        traj = Trajectory(list(r.prompt_token_ids))
-        traj.routing = []
-        extend_routing(traj, r.routing, len(r.prompt_token_ids))
-        traj.token_ids, traj.logprobs, traj.versions = list(r.token_ids), list(r.logprobs), [0] * len(r.token_ids)
-        traj.finish_reason = r.finish_reason
-        out.append((r, traj))
-    return out
+    return [(r, Trajectory.from_result(r)) for r in engine.generate(prompts, params)]
 
 
 def test_engine_records_the_experts_that_produced_each_token_and_changes_nothing_else():

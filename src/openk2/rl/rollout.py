@@ -52,6 +52,16 @@ class Trajectory:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def from_result(cls, result: GenerationResult, version: int = 0) -> Trajectory:
+        """A one-segment trajectory from one engine result (with its routing when the engine recorded it)."""
+        traj = cls(list(result.prompt_token_ids))
+        extend_routing(traj, result.routing, len(result.prompt_token_ids))  # before the tokens: a first segment
+        traj.token_ids, traj.logprobs = list(result.token_ids), list(result.logprobs)
+        traj.versions = [version] * len(result.token_ids)
+        traj.finish_reason, traj.num_segments = result.finish_reason, 1
+        return traj
+
     @property
     def logprob_old(self) -> float:
         """log pi_old(y|x): the sum of the sampled tokens' log-probs."""
