@@ -164,6 +164,17 @@ def build_section(cls: type[T], section: str, values: Any) -> T:
         return cls(**values)
 
 
+def build_named_tables(cls: type[T], key: str, values: Any) -> list[T]:
+    """`[[key]]`: a list of `build_section(cls, ...)` tables whose `name` fields are unique."""
+    if not isinstance(values, list) or not all(isinstance(v, dict) for v in values):
+        raise ConfigError(f"{key} must be an array of tables ([[{key}]])", key)
+    built = [build_section(cls, f"{key}[{i}]", v) for i, v in enumerate(values)]
+    names = [b.name for b in built]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{key} names must be unique, got {names}", key)
+    return built
+
+
 @contextmanager
 def table_errors(section: str) -> Iterator[None]:
     """Turn a plain ValueError raised inside (a dataclass's own validation) into a ConfigError for `[section]`."""

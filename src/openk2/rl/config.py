@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from openk2.config import ModelConfig
-from openk2.configfile import ConfigError, build_section, check_keys, check_table, check_type, load_config, table_errors
+from openk2.configfile import (
+    build_named_tables,
+    build_section,
+    check_keys,
+    check_table,
+    check_type,
+    load_config,
+    table_errors,
+)
 
 TEMPERATURE_SCHEDULES = ("linear", "cosine", "exponential")
 INFERENCE_DTYPES = ("fp32", "bf16")
@@ -228,7 +236,7 @@ class RLConfig:
             loss=build_section(LossSection, "loss", raw.get("loss", {})),
             optim=build_section(OptimSection, "optim", raw.get("optim", {})),
             train=build_section(TrainSection, "train", raw.get("train", {})),
-            envs=_build_envs(raw.get("envs", [])),
+            envs=build_named_tables(EnvSection, "envs", raw.get("envs", [])),
             out_dir=raw.get("out_dir", "runs/rl-tiny"),
         )
 
@@ -243,16 +251,6 @@ class RLConfig:
             out["envs"] = [dataclasses.asdict(e) for e in self.envs]
         out["out_dir"] = self.out_dir
         return out
-
-
-def _build_envs(raw: Any) -> list[EnvSection]:
-    if not isinstance(raw, list) or not all(isinstance(e, dict) for e in raw):
-        raise ConfigError("envs must be an array of tables ([[envs]])", "envs")
-    built = [build_section(EnvSection, f"envs[{i}]", e) for i, e in enumerate(raw)]
-    names = [e.name for e in built]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"env names must be unique, got {names}", "envs")
-    return built
 
 
 def load_rl_config(path: str | Path | None, overrides: list[str] | None = None) -> RLConfig:

@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from openk2.config import ModelConfig
-from openk2.configfile import ConfigError, build_section, check_keys, check_table, check_type, load_config, table_errors
+from openk2.configfile import (
+    ConfigError,
+    build_named_tables,
+    build_section,
+    check_keys,
+    check_table,
+    check_type,
+    load_config,
+    table_errors,
+)
 from openk2.data.conversations import OVERLONG_POLICIES
 from openk2.data.corpus import CorpusConfig
 from openk2.optim.schedule import WSDConfig
@@ -270,13 +279,7 @@ class RunConfig:
 
 
 def _build_stages(raw: dict[str, Any]) -> list[StageSection]:
-    stages = raw.get("stages", [])
-    if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
-        raise ConfigError("stages must be an array of tables ([[stages]])", "stages")
-    built = [build_section(StageSection, f"stages[{i}]", s) for i, s in enumerate(stages)]
-    names = [s.name for s in built]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"stage names must be unique, got {names}", "stages")
+    built = build_named_tables(StageSection, "stages", raw.get("stages", []))
     if built and sum(s.steps for s in built) == 0:
         raise ConfigError("the stages have no steps to train", "stages")
     return built
