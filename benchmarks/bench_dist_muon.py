@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -23,9 +22,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from common import run_on_ranks  # noqa: E402
 
 from openk2.config import ModelConfig  # noqa: E402
 from openk2.model import K2ForCausalLM  # noqa: E402
@@ -109,29 +108,6 @@ def _planned_bytes(preset: str, dp: int) -> int:
     return max(r["optimizer_bytes"] + r["master_bytes"] for r in plan(cfg, states="fp32")["per_rank"])
 
 
-def _entry(rank: int, world: int, port: int, job: str, args: tuple, results) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        out = _dist_step(rank, world, *args) if job == "step" else _state_bytes(rank, world, *args)
-        if rank == 0:
-            results[0] = out
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, job: str, *args) -> object:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_entry, args=(world, port, job, args, shared), nprocs=world)
-        return dict(shared)[0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny", help="model whose Muon matrices are stepped")
@@ -143,10 +119,11 @@ def main() -> None:
     torch.set_num_threads(1)
     steps = {1: _single_step(args.preset, args.repeats)}
     for world in args.worlds:
-        steps[world] = _spawn(world, "step", args.preset, args.repeats)
+        steps[world] = run_on_ranks(world, _dist_step, args.preset, args.repeats)[0]
     states = {}
     for dp in args.state_dps:
-        measured = _state_bytes(0, 1, args.state_preset) if dp == 1 else _spawn(dp, "state", args.state_preset)
+        measured = (_state_bytes(0, 1, args.state_preset) if dp == 1
+                    else run_on_ranks(dp, _state_bytes, args.state_preset)[0])
         states[dp] = {"measured": measured, "planned": _planned_bytes(args.state_preset, dp)}
     print(f"Muon step, preset {args.preset} ({steps[1]['matrices']} Muon tensors), median of {args.repeats}, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, torch {torch.__version__}")

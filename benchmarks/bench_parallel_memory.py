@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from common import run_on_ranks  # noqa: E402
 
 from openk2.config import ModelConfig  # noqa: E402
 from openk2.train.config import RunConfig  # noqa: E402
@@ -31,29 +28,13 @@ from openk2.train.parallel.held import measure_states  # noqa: E402
 from openk2.train.parallel.plan import plan  # noqa: E402
 
 
-def _entry(rank: int, world: int, port: int, preset: str, parallel: dict, results) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results[rank] = measure_states(ModelConfig.preset(preset), ParallelConfig(**parallel), torch.device("cpu"))
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
+def _measure_rank(rank: int, world: int, preset: str, parallel: dict) -> dict:
+    return measure_states(ModelConfig.preset(preset), ParallelConfig(**parallel), torch.device("cpu"))
 
 
 def measure(preset: str, parallel: dict) -> dict[int, dict]:
     """{rank: held bytes} for one layout, on ParallelConfig(**parallel).world_size processes."""
-    world = ParallelConfig(**parallel).world_size
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        shared = manager.dict()
-        mp.spawn(_entry, args=(world, port, preset, parallel, shared), nprocs=world)
-        return dict(shared)
+    return run_on_ranks(ParallelConfig(**parallel).world_size, _measure_rank, preset, parallel)
 
 
 def main() -> None:

@@ -8,8 +8,10 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,3 +72,32 @@ def machine_summary() -> str:
     load = "/".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} with {torch.get_num_threads()} threads, "
             f"ISA {'+'.join(isa)}, {gpu}, load avg {load}")
+
+
+def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results[rank] = fn(rank, world, *args)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def run_on_ranks(world: int, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
+    """{rank: fn(rank, world, *args)} on `world` spawned gloo processes of one thread each (env:// rendezvous on
+    a free local port, as torchrun sets it up); fn must be importable by name (module level)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_entry, args=(world, port, fn, args, results), nprocs=world)
+        return dict(results)
