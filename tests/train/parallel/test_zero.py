@@ -8,6 +8,7 @@ import torch
 from openk2.config import ModelConfig
 from openk2.model import K2ForCausalLM
 from openk2.optim.muonclip import MuonClip
+from openk2.optim.ns_kernel import clear_ns_kernel_cache, pin_ns_kernel
 from openk2.train.config import RunConfig
 from openk2.train.parallel.owners import assign_owners, newton_schulz_flops
 from openk2.train.parallel.plan import plan
@@ -49,17 +50,11 @@ def _zero(model: K2ForCausalLM, **extra) -> DistributedMuonClip:
                                **{**HYPER, **extra})
 
 
-def _pinned_kernel(device: torch.device, dtype: torch.dtype) -> str:
-    return NS_KERNEL
-
-
 def _pin_ns_kernel() -> None:
-    """One Newton-Schulz kernel in every process (a spawned rank's own module): the automatic choice is timed
-    per process (optim/ns_kernel.py), so under load the reference and the ranks could pick kernels that round
-    bf16 differently."""
-    import openk2.optim.muon
-
-    openk2.optim.muon.select_ns_kernel = _pinned_kernel
+    """One Newton-Schulz kernel in every process: the automatic choice is timed per process
+    (optim/ns_kernel.py), so under load the single-process reference could pick a kernel that rounds bf16
+    differently from the one the ranks agree on."""
+    pin_ns_kernel(torch.device("cpu"), torch.bfloat16, NS_KERNEL)
 
 
 def _reference(ns_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -108,12 +103,13 @@ def test_one_process_equals_muonclip():
     (3, 4096, torch.float32),  # many small buckets, several in flight
     (2, 1 << 24, torch.bfloat16),  # bf16 Newton-Schulz and bf16 updates on the wire
 ], ids=["dp2-fp32", "dp3-small-buckets", "dp2-bf16"])
-def test_distributed_muonclip_equals_single_process(world, bucket_numel, ns_dtype, monkeypatch):
-    import openk2.optim.muon
-
-    monkeypatch.setattr(openk2.optim.muon, "select_ns_kernel", _pinned_kernel)  # the reference, in this process
+def test_distributed_muonclip_equals_single_process(world, bucket_numel, ns_dtype):
     results = run_ranks(world, _train_sharded, world, bucket_numel, ns_dtype)
-    expected = _reference(ns_dtype)
+    _pin_ns_kernel()  # the reference, in this process
+    try:
+        expected = _reference(ns_dtype)
+    finally:
+        clear_ns_kernel_cache()
     for rank in range(world):
         for name, value in results[rank]["params"].items():
             # The ranks' gradient parts are summed by reduce, so ~1 ulp of gradient differs; in bf16 that ulp can
