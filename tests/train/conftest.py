@@ -40,3 +40,35 @@ def micro_raw(tmp_path, micro_tokenizer_dir) -> dict:
         "train": {"steps": 8, "batch_size": 4, "log_every": 1, "eval_every": 4, "eval_batches": 2,
                   "checkpoint_every": 2, "keep_checkpoints": 5, "threads": 1},
     }
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """{step: loss} of a run's metrics.jsonl (skipped steps left out)."""
+    from openk2.train.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r and not r.get("skipped")}
+
+
+def pretrain_killed_after(raw: dict, tmp_path: Path, run_dir: Path, step: int) -> list[str]:
+    """Start `openk2 pretrain` on `raw` in a subprocess and SIGKILL it once `step` is logged; returns the command
+    line (append --resume to continue the run)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import tomli_w
+
+    config_file = tmp_path / "run.toml"
+    config_file.write_text(tomli_w.dumps(raw))
+    cmd = [sys.executable, "-m", "openk2", "pretrain", "--config", str(config_file), "--out", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (run_dir / "metrics.jsonl").is_file() and max(step_losses(run_dir), default=0) >= step:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return cmd

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import tomli_w
 import torch
 
 from openk2.config import ModelConfig
@@ -24,6 +19,7 @@ from openk2.train.dcp_resume import read_run_state
 from openk2.train.metrics import read_metrics
 from openk2.train.stages import StagePlan, apply_model_config, stage_model_config
 from openk2.train.trainer import Trainer
+from tests.train.conftest import pretrain_killed_after
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 YARN2 = {"factor": 2.0, "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -169,17 +165,8 @@ def test_sigkill_inside_a_later_stage_and_resume_reproduces_the_run(micro_raw, t
     Trainer(RunConfig.from_dict(raw), out_dir=tmp_path / "straight").run()
     expected = _losses(tmp_path / "straight")
     killed_dir = tmp_path / "killed"
-    config_file = tmp_path / "run.toml"
-    config_file.write_text(tomli_w.dumps(raw))
-    cmd = [sys.executable, "-m", "openk2", "pretrain", "--config", str(config_file), "--out", str(killed_dir)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline:  # kill once step 7 is logged: the newest checkpoint is >= step 6, in stage 2
-        if (killed_dir / "metrics.jsonl").is_file() and max(_losses(killed_dir), default=0) >= 7:
-            break
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # killed once step 7 is logged: the newest checkpoint is >= step 6, in stage 2
+    cmd = pretrain_killed_after(raw, tmp_path, killed_dir, 7)
     assert max(_losses(killed_dir)) < 40, "the run finished before it could be killed"
     newest = CheckpointManager(killed_dir / "checkpoints").latest().name
     assert int(newest.removeprefix("step-")) >= 6  # written inside stage 2 (steps 5..40)

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import tomli_w
 import torch
 
 from openk2.train.checkpoint import CheckpointManager
 from openk2.train.config import RunConfig, load_run_config
 from openk2.train.metrics import read_metrics
 from openk2.train.trainer import BadStepError, Trainer
+from tests.train.conftest import pretrain_killed_after
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -31,17 +27,8 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(micro_raw, tmp_path
     assert sorted(expected) == list(range(1, 9))
 
     killed_dir = tmp_path / "killed"
-    config_file = tmp_path / "run.toml"
-    config_file.write_text(tomli_w.dumps(micro_raw))
-    cmd = [sys.executable, "-m", "openk2", "pretrain", "--config", str(config_file), "--out", str(killed_dir)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline:  # kill once step 5 is logged: checkpoints exist for steps 2 and 4
-        if (killed_dir / "metrics.jsonl").is_file() and max(_losses(killed_dir), default=0) >= 5:
-            break
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # killed once step 5 is logged: checkpoints exist for steps 2 and 4
+    cmd = pretrain_killed_after(micro_raw, tmp_path, killed_dir, 5)
     assert max(_losses(killed_dir)) < 8, "the run finished before it could be killed"
 
     resumed = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
