@@ -129,3 +129,11 @@ def test_muon_vs_adamw_and_heads_micro(micro, runs_dir):
     heads = _section(_run(runs_dir, "heads", "heads"), "Results")
     assert "| 4 heads |" in heads and "| 8 heads |" in heads
     assert "kimi-k2 preset, analytic" in heads
+
+
+def test_default_out_dir_names_the_scale_so_runs_at_other_budgets_are_not_reused(tmp_path):
+    from openk2.cli.experiment import default_out_dir
+
+    assert default_out_dir(tmp_path, "qk-clip", "quick", 0).name == "qk-clip-quick-seed0"
+    assert default_out_dir(tmp_path, "qk-clip", "quick", 0, scale=0.5).name == "qk-clip-quick-x0.5-seed0"
+    assert default_out_dir(tmp_path, "qk-clip", "quick", 1, seeds=3, scale=0.5).name == "qk-clip-quick-x0.5-seeds1-3"

@@ -21,10 +21,13 @@ def load_experiment(name: str) -> ModuleType:
     return importlib.import_module(EXPERIMENTS[name])
 
 
-def default_out_dir(runs_dir: Path, name: str, mode: str, seed: int, seeds: int = 1) -> Path:
+def default_out_dir(runs_dir: Path, name: str, mode: str, seed: int, seeds: int = 1, scale: float = 1.0) -> Path:
+    """`NAME-MODE[-xSCALE]-seedS` (or `-seedsA-B`): the scale is in the name because finished runs in a directory
+    are reused, and a run at another budget must not pick up these."""
+    budget = mode if scale == 1.0 else f"{mode}-x{scale:g}"
     if seeds > 1:
-        return runs_dir / f"{name}-{mode}-seeds{seed}-{seed + seeds - 1}"
-    return runs_dir / f"{name}-{mode}-seed{seed}"
+        return runs_dir / f"{name}-{budget}-seeds{seed}-{seed + seeds - 1}"
+    return runs_dir / f"{name}-{budget}-seed{seed}"
 
 
 def find_reports(runs_dir: Path) -> list[tuple[Path, str]]:
@@ -84,7 +87,8 @@ def experiment_main(argv: list[str] | None = None) -> int:
     module = load_experiment(args.name)
     if args.seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
-    out_dir = args.out_dir or default_out_dir(args.runs_dir, args.name, args.mode, args.seed, args.seeds)
+    out_dir = args.out_dir or default_out_dir(args.runs_dir, args.name, args.mode, args.seed, args.seeds,
+                                                args.scale)
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
