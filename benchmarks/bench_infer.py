@@ -133,6 +133,12 @@ def main(argv: list[str] | None = None) -> None:
                         "a second intra-op thread turns these millisecond-sized steps into contention outliers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shared-prefix", type=int, default=1000, help="tokens shared by 8 requests (0: skip)")
+    parser.add_argument("--step-ab", type=int, default=0, metavar="ROUNDS",
+                        help="also time the engine's decode step with fast_decode on and off, alternating, "
+                        "ROUNDS rounds at the first prompt length (0: skip)")
+    parser.add_argument("--fast-decode", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine's fused one-token decode step (infer/decode_step.py); --no-fast-decode "
+                        "runs every step through the model's modules")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2 (decode is timed from token 1 to token N)")
@@ -150,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     hf_attn = hf.config._attn_implementation
     hf_experts = getattr(hf.config, "_experts_implementation", "?")
     print(f"HF: DeepseekV3ForCausalLM fp32, attn_implementation={hf_attn}, experts_implementation={hf_experts} "
-          f"(transformers {transformers.__version__}); ours: Engine fp32, absorbed decode")
+          f"(transformers {transformers.__version__}); ours: Engine fp32, absorbed decode, "
+          f"fast_decode={args.fast_decode}")
     print(f"preset {args.preset}, batch {args.batch_size}, {args.new_tokens} new tokens, greedy, "
           f"1 warm-up + {args.repeats} timed calls each per prompt length, {torch.get_num_threads()} torch thread(s)")
 
@@ -162,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         ids = torch.randint(0, cfg.vocab_size, (args.batch_size, plen), generator=gen)
         prompts = ids.tolist()
         # No prefix caching here: the repeated calls send the same prompts, which would make prefill free.
-        engine = Engine(ours, max_batch_size=args.batch_size, max_seq_len=plen + args.new_tokens, prefix_caching=False)
+        engine = Engine(ours, max_batch_size=args.batch_size, max_seq_len=plen + args.new_tokens, prefix_caching=False,
+                        fast_decode=args.fast_decode)
         engine_cache_bpt = engine.cache.bytes_per_token
 
         def run_ours(engine=engine, prompts=prompts) -> tuple[list[list[int]], list[tuple[float, float]]]:
@@ -220,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{row[('ratio', 'cpu_e2e')]:.2f}x CPU")
 
     prefix_rows = shared_prefix(ours, hf, cfg, args.shared_prefix, args.repeats, gen) if args.shared_prefix else []
+    if args.step_ab:
+        decode_step_ab(ours, cfg, args.batch_size, prompt_lens[0], args.new_tokens, args.step_ab, gen)
 
     # ---------------------------------------------------------------- KV-cache bytes per token
     probe = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
@@ -253,6 +263,32 @@ def main(argv: list[str] | None = None) -> None:
         print("|---:|---:|---:|---:|---:|")
         for i, (ours_s, computed, hf_s) in enumerate(prefix_rows):
             print(f"| {i + 1} | {ours_s:.4f} | {computed} | {hf_s:.4f} | {ours_s / hf_s:.3f} |")
+
+
+def decode_step_ab(ours: K2ForCausalLM, cfg: ModelConfig, batch: int, plen: int, new_tokens: int, rounds: int,
+                   gen: torch.Generator) -> None:
+    """Print the median CPU ms per decode step of the engine with fast_decode on and off (same prompts; the two
+    alternate call by call, which one goes first alternating by round; one warm-up call each)."""
+    prompts = torch.randint(0, cfg.vocab_size, (batch, plen), generator=gen).tolist()
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    engines = {flag: Engine(ours, max_batch_size=batch, max_seq_len=plen + new_tokens, prefix_caching=False,
+                            fast_decode=flag) for flag in (True, False)}
+    ms: dict[bool, list[float]] = {True: [], False: []}
+    for rep in range(rounds + 1):
+        for flag in ((True, False) if rep % 2 == 0 else (False, True)):
+            engine = engines[flag]
+            for p in prompts:
+                engine.add_request(p, params)
+            engine.step()  # prefill + token 1
+            start = time.process_time()
+            while engine.has_unfinished():
+                engine.step()
+            if rep:
+                ms[flag].append((time.process_time() - start) / (new_tokens - 1) * 1e3)
+    on, off = statistics.median(ms[True]), statistics.median(ms[False])
+    print(f"\ndecode step A/B, prompt {plen}, batch {batch}, {rounds} alternating rounds: fast_decode on "
+          f"{on:.2f} ms, off {off:.2f} ms (CPU, median) -> {off / on:.2f}x; per round on "
+          f"{', '.join(f'{x:.1f}' for x in ms[True])} | off {', '.join(f'{x:.1f}' for x in ms[False])}")
 
 
 def shared_prefix(ours: K2ForCausalLM, hf, cfg: ModelConfig, prefix_len: int, repeats: int,

@@ -10,7 +10,9 @@ decode runs the absorbed form, which never expands the cache:
 so one decode step reads C + R numbers per cached token and per layer, shared by all heads, instead of
 H * (N + R + V). The forward is the model's own (K2Model and its DecoderLayers): the engine only passes in a
 `LatentCacheAttention` (openk2.infer.latent_attention) as the layers' attention core, and no statistics collector,
-so MoE load counts and max logits a trainer collects never see inference.
+so MoE load counts and max logits a trainer collects never see inference. One-token absorbed decode steps of a plain
+(unwrapped, unhooked) model run the same arithmetic in fewer eager ops (openk2.infer.decode_step, bit-identical;
+`fast_decode=False` turns it off).
 
 Memory (openk2.infer.kv_cache): a sequence holds a block table into a `PagedLatentCache`; full blocks are named by
 a hash chained over their tokens, so a prompt that starts like an earlier one (a shared system prompt or tool
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 
+from openk2.infer import decode_step
 from openk2.infer.kv_cache import ROOT_HASH, PagedLatentCache, block_hash, prefix_hashes
 from openk2.infer.latent_attention import LatentCacheAttention, absorbed_attention, expanded_attention
 from openk2.infer.sampling import SamplingParams, make_generator, sample_tokens
@@ -136,6 +139,7 @@ class Engine:
         record_routing: bool = False,
         compile: bool = False,
         preemption: bool = True,
+        fast_decode: bool = True,
     ) -> None:
         """`tokenizer` (an openk2 K2Tokenizer, or anything with decode and eos_id) enables stop strings and
         `text`; max_batch_size sequences (samples) run at once, each at most max_seq_len tokens (prompt +
@@ -149,7 +153,10 @@ class Engine:
         (model/compile.py, dynamic shapes: batch and chunk sizes vary step to step). `preemption` admits a
         sequence when the cache holds its prompt and first token, and when decoding runs out of blocks preempts
         the most recently admitted sequences (recompute, as vLLM: see `_make_room`); without it a sequence is
-        admitted only when its worst case (prompt + max_tokens) is free, and nothing is ever preempted."""
+        admitted only when its worst case (prompt + max_tokens) is free, and nothing is ever preempted.
+        `fast_decode` runs absorbed one-token decode steps through infer/decode_step.py (the same arithmetic in
+        fewer eager ops) whenever the model is the plain, unwrapped K2 layout; off, or for any other model, every
+        step runs the model's own modules."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if compile:
@@ -177,6 +184,7 @@ class Engine:
         # Modules are fixed for the engine's lifetime; their _parameters/_buffers dicts are read every step.
         self._weight_dicts = [d for m in model.modules() for d in (m._parameters, m._buffers)]
         self._weights_seen = self._weights_version()
+        self.fast_decode = fast_decode and not compile and decode_step.supports(model)
         self.prefill_tokens_computed = 0  # prompt tokens run through the model (prefix hits excluded)
         self.preemption = preemption
         self.preemptions = 0  # sequences preempted so far (a counter for tests and benchmarks)
@@ -448,6 +456,14 @@ class Engine:
                     ident += id(t)
         return version, ident
 
+    def _decode_step_applies(self) -> bool:
+        # Re-checked every step (about 80 us, under 1% of a tiny-model step): a caller may wrap layer forwards, swap
+        # modules or add hooks after construction, and those must then run.
+        hooks = torch.nn.modules.module
+        if not self.fast_decode or hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return False
+        return decode_step.supports(self.model)
+
     @contextmanager
     def _inference_mode(self):
         # No autograd and eval mode (no MoE aux loss); statistics live in callers' collectors, which the engine
@@ -502,10 +518,15 @@ class Engine:
         read_rows_BS = table_BK[:, key_pos // bs] * bs + key_pos % bs  # past a row's length: masked, any row
         write_rows = [r for (seq, _), s, n in zip(rows, starts, lens, strict=True)
                       for r in cache.rows(seq.blocks, s, s + n)]
-        attention = LatentCacheAttention(cache, torch.tensor(write_rows, device=dev), valid_BT, read_rows_BS,
-                                         mask_B1TS, absorbed)
+        write_rows_M = torch.tensor(write_rows, device=dev)
         trace = RoutingTrace(self.cfg) if self.record_routing else None
-        hidden_BTD = self.model.model(ids_BT, positions_BT, inner_attention=attention, routing=trace)
+        if t == 1 and absorbed and self._decode_step_applies():
+            mask_B1S = None if mask_B1TS is None else mask_B1TS[:, :, 0]
+            hidden_BTD = decode_step.decode_hidden(self.model, ids_BT[:, 0], positions_BT[:, 0], cache, write_rows_M,
+                                                   read_rows_BS, mask_B1S, trace)[:, None]
+        else:
+            attention = LatentCacheAttention(cache, write_rows_M, valid_BT, read_rows_BS, mask_B1TS, absorbed)
+            hidden_BTD = self.model.model(ids_BT, positions_BT, inner_attention=attention, routing=trace)
         if trace is not None:
             used_BTLK = trace.used().view(b, t, -1, self.cfg.num_experts_per_tok).to("cpu", torch.int16)
             for i, (seq, start, n) in enumerate(zip((r[0] for r in rows), starts, lens, strict=True)):
