@@ -34,7 +34,8 @@ def plan_main(argv: list[str] | None = None) -> int:
         return 0
     layout = result["layout"]
     print(f"{args.config}: world {result['world_size']} = pp {layout['pp']} x dp {layout['dp']} x ep {layout['ep']}"
-          f" ({layout['pp_schedule']}, {layout['pp_virtual_stages']} stages per rank); states {result['states']}")
+          f" ({layout['pp_schedule']}, {layout['pp_virtual_stages']} stages per rank); states {result['states']}"
+          f"; dp sharding {layout['shard']}")
     keys = ("params", "grads", "master", "optimizer", "activation", "comm", "total")
     print(f"{'pp rank':>8}" + "".join(f"{k + ' GB':>14}" for k in keys))
     for row in result["per_rank"][::layout["dp"] * layout["ep"]]:  # dp and ep ranks of a pp rank are alike

@@ -7,6 +7,7 @@ tokens, so dense weights are data-parallel over dp x ep ranks and routed experts
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 # Schedule names accepted by `parallel.pp_schedule` -> torch.distributed.pipelining class names.
@@ -22,6 +23,7 @@ PP_SCHEDULES = {
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 BACKENDS = ("auto", "gloo", "nccl")
 PARAM_DTYPE_NAMES = ("float32", "bfloat16")
+SHARD_MODES = ("zero1", "fsdp2")  # data-parallel sharding: optimizer state only, or weights and gradients too
 
 
 @dataclass(kw_only=True)
@@ -35,6 +37,9 @@ class ParallelConfig:
     # Weight storage: "float32" (weights are their own masters) or "bfloat16" (the report's bf16 parameters,
     # fp32 gradient accumulation, fp32 masters sharded with the optimizer state; see train/parallel/mixed.py).
     param_dtype: str = "float32"
+    # "zero1" (the report's: weights replicated over dp, optimizer state sharded) or "fsdp2" (ZeRO-3 with torch's
+    # fully_shard: weights, gradients and optimizer state sharded over dp; train/parallel/fsdp.py).
+    shard: str = "zero1"
 
     def __post_init__(self) -> None:
         for name in ("dp", "ep", "pp", "pp_virtual_stages"):
@@ -49,6 +54,12 @@ class ParallelConfig:
             raise ValueError("parallel.pp_schedule=zbv_zero_bubble needs exactly pp_virtual_stages=2 (V shape)")
         if self.param_dtype not in PARAM_DTYPE_NAMES:
             raise ValueError(f"parallel.param_dtype must be one of {PARAM_DTYPE_NAMES}, got {self.param_dtype!r}")
+        if self.shard not in SHARD_MODES:
+            raise ValueError(f"parallel.shard must be one of {SHARD_MODES}, got {self.shard!r}")
+        if self.shard == "fsdp2" and (self.pp > 1 or self.ep > 1):
+            raise ValueError(f"parallel.shard=fsdp2 runs with pp=1 and ep=1 only, got pp={self.pp}, ep={self.ep}")
+        if self.shard == "fsdp2" and self.dp == 1:
+            warnings.warn("parallel.shard=fsdp2 with parallel.dp=1 has nothing to shard: it is ignored", stacklevel=2)
         if self.backend not in BACKENDS:
             raise ValueError(f"parallel.backend must be one of {BACKENDS}, got {self.backend!r}")
 

@@ -63,8 +63,15 @@ def measure_states(config, parallel, device: torch.device, init_seed: int = 0, r
     if parallel.pp != 1:
         raise ValueError("measure_states runs a plain forward: parallel.pp must be 1")
     mesh = init_parallel(parallel, device)
-    model, expert_names = build_model_part(config, mesh, device, init_seed)
-    optimizer = build_optimizer(model, expert_names, mesh, {"lr": 1e-3, "ns_dtype": torch.float32})  # casts
+    if parallel.shard == "fsdp2":  # weights, gradients and optimizer state all DTensor shards
+        from openk2.train.parallel.fsdp import build_fsdp_model
+        from openk2.train.parallel.fsdp_muonclip import build_fsdp_optimizer
+
+        model = build_fsdp_model(config, mesh, device, init_seed)
+        optimizer = build_fsdp_optimizer(model, mesh.group("dp"), {"lr": 1e-3, "ns_dtype": torch.float32})
+    else:
+        model, expert_names = build_model_part(config, mesh, device, init_seed)
+        optimizer = build_optimizer(model, expert_names, mesh, {"lr": 1e-3, "ns_dtype": torch.float32})  # casts
     gen = torch.Generator().manual_seed(mesh.rank)
     ids = torch.randint(0, config.vocab_size, (rows, seq_len), generator=gen).to(device)
     model(ids, labels=ids).loss.backward()

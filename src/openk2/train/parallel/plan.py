@@ -86,6 +86,8 @@ def plan_rank(cfg: RunConfig, parallel: ParallelConfig, pp_rank: int, states: st
     policy = STATE_POLICIES[states]
     mesh = ParallelMesh(parallel, None, pp_rank * parallel.dp * parallel.ep, pp_rank, 0, 0)
     part, expert_names = meta_model_part(cfg.model, mesh)
+    if parallel.shard == "fsdp2":
+        return _plan_fsdp2(cfg, parallel, part, device_type, gathered_bytes=2 if states == "bf16" else 4)
     rename = full_name_of(part)
     groups = {"expert": parallel.dp, "dense": parallel.dp * parallel.ep}
     members: dict[tuple[str, str], list[tuple[int, ...]]] = defaultdict(list)
@@ -113,6 +115,41 @@ def plan_rank(cfg: RunConfig, parallel: ParallelConfig, pp_rank: int, states: st
                     params_bytes=num * policy["param"], grads_bytes=num * policy["grad"], master_bytes=master,
                     optimizer_bytes=optimizer, activation_bytes=activations,
                     comm_bytes=max(pipeline_buffers, step_buffers), total_bytes=total)
+
+
+def _plan_fsdp2(cfg: RunConfig, parallel: ParallelConfig, part, device_type: str, gathered_bytes: int) -> RankPlan:
+    """Rank 0 under FSDP2 (fsdp.py; fp32, pp = ep = 1): every parameter, gradient and optimizer tensor is its
+    dim-0 shard, rank 0's being the largest (FSDP2 pads every rank's storage to it). Transients: the forward and
+    backward hold the root unit (embedding, norm, head) all-gathered, two decoder layers all-gathered (the one
+    running and the one prefetched) and one layer's unsharded gradients before its reduce-scatter; the step, the
+    whole fp32 directions of the 2-D Muon matrices the busiest rank owns, gathered, batched and orthogonalised
+    (4 x 4 B per element) and the rows scattered back. The shards are fp32 under both state policies (with bf16
+    weights they are the masters); `gathered_bytes` is the all-gathered compute copy's element size."""
+    dp = parallel.dp
+    local = sum_muon = sum_adam = 0
+    matrices: list[tuple[int, ...]] = []
+    for name, p in part.named_parameters():
+        rows = math.ceil(p.shape[0] / dp) if p.ndim else 1
+        numel = rows * math.prod(p.shape[1:])
+        local += numel
+        if cfg.optim.optimizer == "muon" and default_muon_filter(name, p):
+            sum_muon += numel
+            if p.ndim == 2:
+                matrices.append(tuple(p.shape))
+        else:
+            sum_adam += numel
+    units = [sum(p.numel() for p in layer.parameters()) for layer in part.model.layers]
+    root = sum(p.numel() for p in part.parameters()) - sum(units)
+    largest = max(units, default=0)
+    gathered = gathered_bytes * (root + 3 * largest)  # root + two layers gathered, one layer's unsharded grads
+    owned = _owned_muon_numel(matrices, dp, cfg.optim.ns_steps)
+    step_buffers = 16 * owned + 4 * sum_muon
+    activations, _, transient = _activation_bytes(cfg, parallel, part, 0, device_type)
+    persistent = 8 * local + 4 * sum_muon + 8 * sum_adam
+    total = persistent + max(activations + gathered + transient, step_buffers)
+    return RankPlan(rank=0, pp_rank=0, dp_rank=0, ep_rank=0, num_params=local, params_bytes=4 * local,
+                    grads_bytes=4 * local, master_bytes=0, optimizer_bytes=4 * sum_muon + 8 * sum_adam,
+                    activation_bytes=activations, comm_bytes=max(gathered, step_buffers), total_bytes=total)
 
 
 def _activation_bytes(cfg: RunConfig, parallel: ParallelConfig, part, pp_rank: int,
@@ -160,6 +197,6 @@ def plan(cfg: RunConfig, world: int | None = None, states: str | None = None, de
     worst = max(per_rank, key=lambda r: r["total_bytes"])
     return {"world_size": parallel.world_size, "layout": {"pp": parallel.pp, "dp": parallel.dp, "ep": parallel.ep,
                                                           "pp_virtual_stages": parallel.pp_virtual_stages,
-                                                          "pp_schedule": parallel.pp_schedule},
+                                                          "pp_schedule": parallel.pp_schedule, "shard": parallel.shard},
             "states": states, "device_type": device_type, "max_rank_bytes": worst["total_bytes"],
             "worst_rank": worst["rank"], "per_rank": per_rank}

@@ -30,6 +30,8 @@ from openk2.train.dcp_resume import write_run_state
 from openk2.train.dcp_state import model_entries, optimizer_entries
 from openk2.train.parallel import comm_clock
 from openk2.train.parallel.build import build_model_part
+from openk2.train.parallel.fsdp import build_fsdp_model
+from openk2.train.parallel.fsdp_muonclip import FSDPMuonClip, build_fsdp_optimizer, fsdp_entries
 from openk2.train.parallel.mesh import ParallelMesh, init_parallel
 from openk2.train.parallel.pipeline import PipelineModel, build_schedule, pipeline_forward
 from openk2.train.parallel.state import local_tensors
@@ -104,6 +106,9 @@ class ParallelTrainer(Trainer):
         seed = torch.tensor(draw_init_seed(), dtype=torch.int64, device=self.device)
         if dist.is_initialized():
             dist.broadcast(seed, src=0)
+        if self.cfg.parallel.shard == "fsdp2":  # weights sharded over dp by fully_shard (fsdp.py)
+            self.expert_names = frozenset()
+            return build_fsdp_model(self.cfg.model, self.mesh, self.device, int(seed))
         model, self.expert_names = build_model_part(self.cfg.model, self.mesh, self.device, int(seed))
         return model
 
@@ -115,7 +120,9 @@ class ParallelTrainer(Trainer):
             dist.broadcast_object_list(choice, src=0)
         return Path(choice[0]) if choice[0] is not None else None
 
-    def _build_optimizer(self) -> DistributedMuonClip:
+    def _build_optimizer(self) -> DistributedMuonClip | FSDPMuonClip:
+        if self.cfg.parallel.shard == "fsdp2":
+            return build_fsdp_optimizer(self.model, self.mesh.group("dp"), self.cfg.optim.muonclip_kwargs())
         return build_optimizer(self.model, self.expert_names, self.mesh, self.cfg.optim.muonclip_kwargs())
 
     def _build_train_loader(self) -> PackedLoader:
@@ -260,6 +267,8 @@ class ParallelTrainer(Trainer):
         return self._ckpt_group
 
     def _training_state(self, fresh: bool):
+        if isinstance(self.optimizer, FSDPMuonClip):  # every rank's rows, under the same layout-free names
+            return fsdp_entries(self.model, self.optimizer)
         tensors = local_tensors(self.model)
         ep, rank = self.mesh.config.ep, self.mesh.ep_rank
         rows = {n: (rank * t.shape[0], ep * t.shape[0]) for n, t in tensors.items() if n in self.expert_names}
