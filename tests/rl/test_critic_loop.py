@@ -7,6 +7,7 @@ import time
 import pytest
 
 from openk2.rl.critic import SelfCritic
+from openk2.rl.critic_compact import COMPACT_FORMAT, CompactFormat, compact_prompt, question_text
 from openk2.rl.critic_loop import (
     LOOP_RUBRICS,
     CriticRefinementTask,
@@ -16,6 +17,7 @@ from openk2.rl.critic_loop import (
     verdict_score,
 )
 from openk2.rl.tasks.arithmetic import ArithmeticTask
+from openk2.rl.tasks.base import extract_answer
 from tests.rl.tasks.fakes import FakeChat
 
 from .test_critic import _pair, _verifying_critic
@@ -119,3 +121,29 @@ def test_greedy_accuracy_against_the_verifier():
     same = [[r[0]] * 2 for r in responses]
     assert greedy_accuracy(SelfCritic(_verifying_critic()), task, problems, same) is None
     assert re.search("Compute", problems[0].prompt)
+
+
+def test_compact_comparisons_fit_a_small_policy_and_score_against_the_verifier():
+    task = ArithmeticTask()
+    critic_task = CriticRefinementTask(fmt=COMPACT_FORMAT, max_tokens=16, seed=1)
+    problem, responses, rewards = _group(task, 3)
+    assert critic_task.observe(problem, responses, rewards) == 8 and critic_task.max_tokens == 16
+    value = problem.data["answer"]
+    for p in critic_task.pool:
+        assert len(p.prompt) < 300 and "no-flattery" not in p.prompt and "Finish with a last line of the form " \
+            '"Answer: <your answer>"' not in p.prompt  # the task's own instruction gives way to the critic's
+        assert question_text(problem.prompt) in p.prompt and p.prompt.endswith('"Answer: A" or "Answer: B".')
+        right = p.data["target"]
+        wrong = "B" if right == "A" else "A"
+        assert critic_task.verify(p, f"Answer: {right}") == 1.0 and critic_task.verify(p, f"Answer: {wrong}") == 0.0
+        a, b = p.data["responses"]
+        named = "A" if extract_answer(a) == str(value) else "B"  # a right answer's value names its response
+        assert critic_task.verify(p, f"{value}\nAnswer: {value}") == float(named == right)
+        assert critic_task.verify(p, f"7-1=6\n{value}") == float(named == right)  # a bare last line is read too
+        assert critic_task.verify(p, f"{right}.") == 1.0 and critic_task.verify(p, "Answer: 12345") == 0.0
+        assert critic_task.verify(p, "") == 0.0 and critic_task.verify(p, "\n \n") == 0.0
+    assert sum(critic_task.verify(p, "Answer: A") for p in critic_task.pool) / len(critic_task.pool) == 0.5
+    hostile = compact_prompt("Compute 1+1.", "x" * 10_000, "Answer: 2")
+    assert len(hostile) < 400  # responses are cut, so a huge one cannot blow the critic's context
+    with pytest.raises(ValueError, match="max_chars"):
+        CompactFormat(max_chars=0)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from openk2.cli.args import add_resume_argument, add_set_argument, positive_int
 from openk2.rl.config import load_rl_config
+from openk2.rl.placement import RolloutWorkerError
 from openk2.rl.trainer import RLTrainer
 
 
@@ -22,7 +24,15 @@ def rl_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-iterations", type=positive_int, help="stop after this many more iterations")
     args = parser.parse_args(argv)
     cfg = load_rl_config(args.config, args.set)
-    summary = RLTrainer(cfg, args.out_dir, resume=args.resume).run(args.max_iterations)
+    try:
+        trainer = RLTrainer(cfg, args.out_dir, resume=args.resume)
+        try:
+            summary = trainer.run(args.max_iterations)
+        finally:
+            trainer.close()  # rollout.placement = "ray": stop the workers
+    except RolloutWorkerError as err:  # a lost Ray worker: one line, no traceback (checkpoints are kept)
+        print(f"openk2 rl: error: {err} (rerun with --resume)", file=sys.stderr)
+        return 1
     first, last = summary.first_eval or {}, summary.last_eval or {}
     nan = float("nan")
     print(f"iteration {summary.iteration}: held-out reward (greedy) {first.get('eval_reward', nan):.3f} -> "

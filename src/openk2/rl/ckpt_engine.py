@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from openk2.rl.sync_group import StandaloneGroup
+
 _ALIGN = 64  # every tensor starts on a 64-byte boundary of its bucket, so a byte view can be re-viewed as any dtype
 DEFAULT_BUCKET_BYTES = 64 << 20  # 64 MiB: large enough to saturate a link, small enough to double-buffer on a GPU
 
@@ -132,17 +134,21 @@ class BroadcastStats:
 class CheckpointEngine:
     """Full-parameter broadcast over a torch.distributed group, pipelined over two bucket buffers."""
 
-    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, group: dist.ProcessGroup | None = None,
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 group: dist.ProcessGroup | StandaloneGroup | None = None,
                  device: str | torch.device | None = None) -> None:
-        """`device`: where the bucket buffers live (CPU for gloo; this rank's CUDA device for nccl).
+        """`group`: a group of the initialised world (None: the world), or a `StandaloneGroup` outside it.
+        `device`: where the bucket buffers live (CPU for gloo; this rank's CUDA device for nccl).
         Default: cuda:current when the group's backend is nccl, else cpu."""
-        if not dist.is_initialized():
-            raise ValueError("CheckpointEngine needs torch.distributed to be initialised (init_process_group)")
+        self.standalone = group if isinstance(group, StandaloneGroup) else None
+        if self.standalone is None and not dist.is_initialized():
+            raise ValueError("CheckpointEngine needs torch.distributed to be initialised (init_process_group) "
+                             "or a StandaloneGroup")
         self.group = group
         self.bucket_bytes = bucket_bytes
-        self.rank = dist.get_rank(group)
+        self.rank = self.standalone.rank if self.standalone else dist.get_rank(group)
         if device is None:
-            nccl = dist.get_backend(group) == "nccl"
+            nccl = (self.standalone.backend if self.standalone else dist.get_backend(group)) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
         self._plan_key: tuple | None = None
@@ -152,8 +158,11 @@ class CheckpointEngine:
     def plan(self, local: Mapping[str, torch.Tensor]) -> list[Bucket]:
         """Exchange the owners' metadata and (re)build the bucket plan; cached while the metadata is unchanged."""
         mine = [(name, tuple(t.shape), t.dtype) for name, t in local.items()]
-        gathered: list[list | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, mine, group=self.group)
+        if self.standalone is not None:
+            gathered = self.standalone.all_gather_metas(mine)
+        else:
+            gathered = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, mine, group=self.group)
         key = tuple(tuple(x) for x in gathered)
         if key != self._plan_key:
             metas, seen = [], set()
@@ -186,8 +195,11 @@ class CheckpointEngine:
                 pack_bucket(bucket, local, view)
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()  # packing copies were non-blocking
-            src = bucket.owner if self.group is None else dist.get_global_rank(self.group, bucket.owner)
-            work = dist.broadcast(view, src=src, group=self.group, async_op=True)
+            if self.standalone is not None:
+                work = self.standalone.broadcast(view, bucket.owner)
+            else:
+                src = bucket.owner if self.group is None else dist.get_global_rank(self.group, bucket.owner)
+                work = dist.broadcast(view, src=src, group=self.group, async_op=True)
             in_flight[slot] = (work, bucket, view)
         for slot in ((len(plan)) % 2, (len(plan) + 1) % 2):  # the older bucket first
             if in_flight[slot] is not None:

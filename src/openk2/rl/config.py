@@ -26,6 +26,8 @@ from openk2.configfile import (
 
 TEMPERATURE_SCHEDULES = ("linear", "cosine", "exponential")
 INFERENCE_DTYPES = ("fp32", "bf16")
+# an environment's reward: its task's verifier, or the policy's own critic (openk2.rl.critic_env)
+ENV_REWARDS = ("verifier", "self-critique", "self-critique-rubric")
 
 
 @dataclass(kw_only=True)
@@ -70,10 +72,18 @@ class EnvSection:
     # first N iterations, so the hardest level is drawn only from iteration N * (L - 1) / L on
     curriculum_iterations: int = 0
     eval_problems: int = 0  # held-out problems of this environment; 0: task.eval_problems
+    # "verifier": task.verify; "self-critique" ("-rubric"): the policy as critic ranks each group's responses
+    # (compact or rubric prompt; rl/critic_env.py). `task = "critic"` makes the critic's own environment.
+    reward: str = "verifier"
+    max_turns: int = 0  # a tool task's assistant turns per episode (rl/tool_episode.py); 0: the task's own
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("envs.name must name the environment")
+        if self.max_turns < 0:
+            raise ValueError(f"envs.max_turns must be >= 0, got {self.max_turns} for {self.name!r}")
+        if self.reward not in ENV_REWARDS:
+            raise ValueError(f"envs.reward must be one of {ENV_REWARDS}, got {self.reward!r} for {self.name!r}")
         if self.weight <= 0:
             raise ValueError(f"envs.weight must be > 0, got {self.weight} for {self.name!r}")
         if not self.difficulties:
@@ -109,8 +119,21 @@ class RolloutSection:
     routing_replay: bool = False
     mismatch_every: int = 1  # log the train/rollout mismatch (R3 off and on) every N iterations; 0: off
     inference_dtype: str = "fp32"  # the rollout copy of the policy: fp32, or bf16 as a serving engine runs it
+    # where rollouts run (openk2.rl.placement, docs/rl.md "Placement"): "colocated" in the trainer's process, or
+    # "ray": `num_workers` Ray actors, one placement-group bundle of `worker_num_cpus` / `worker_num_gpus` each
+    placement: str = "colocated"
+    num_workers: int = 1
+    worker_num_cpus: float = 1.0
+    worker_num_gpus: float = 0.0
+    ray_address: str = ""  # a Ray cluster to join; "": $RAY_ADDRESS if set, else a local ray.init()
+    worker_timeout_s: int = 600  # the weight-sync process group's timeout (a lost worker fails within it)
 
     def __post_init__(self) -> None:
+        if self.placement not in ("colocated", "ray"):
+            raise ValueError(f"rollout.placement must be colocated or ray, got {self.placement!r}")
+        if self.num_workers < 1 or self.worker_num_cpus <= 0 or self.worker_num_gpus < 0 or self.worker_timeout_s < 1:
+            raise ValueError("rollout.num_workers and worker_timeout_s must be >= 1, worker_num_cpus > 0 and "
+                             "worker_num_gpus >= 0")
         if self.mismatch_every < 0:
             raise ValueError(f"rollout.mismatch_every must be >= 0, got {self.mismatch_every}")
         if self.inference_dtype not in INFERENCE_DTYPES:

@@ -107,45 +107,77 @@ class Judgment:
         return None if self.score == 0.5 else (0 if self.score > 0.5 else 1)
 
 
+class CriticFormat:
+    """How the critic is asked and how its reply is read: the rubric prompt (`critic_messages`) and its
+    "Violations: / Winner:" closing lines (`parse_verdict`). `rl/critic_compact.py` has a short one."""
+
+    name = "rubric"
+
+    def messages(self, rubrics: Sequence[Rubric], prompt: str, first: str, second: str) -> list[dict]:
+        """The conversation comparing `first` (A) with `second` (B) as responses to `prompt`."""
+        return critic_messages(rubrics, prompt, first, second)
+
+    def parse(self, reply: str, first: str, second: str) -> tuple[str | None, tuple[bool, bool]]:
+        """('A' | 'B' | 'TIE' | None, (A violates a mandatory rubric, B does)) from one reply."""
+        return parse_verdict(reply)
+
+
+RUBRIC_FORMAT = CriticFormat()
+
+
 class SelfCritic:
     """Pairwise rubric critic over any `ChatModel` (in K2: the policy itself)."""
 
-    def __init__(self, model: ChatModel, rubrics: Sequence[Rubric] = DEFAULT_RUBRICS, max_tokens: int = 512):
+    def __init__(self, model: ChatModel | None, rubrics: Sequence[Rubric] = DEFAULT_RUBRICS, max_tokens: int = 512,
+                 fmt: CriticFormat = RUBRIC_FORMAT):
+        """`model` may be None in a subclass that overrides `replies` (e.g. a batched engine)."""
         if not rubrics:
             raise ValueError("the critic needs at least one rubric")
-        self.model, self.rubrics, self.max_tokens = model, list(rubrics), max_tokens
+        self.model, self.rubrics, self.max_tokens, self.fmt = model, list(rubrics), max_tokens, fmt
 
     def messages(self, prompt: str, first: str, second: str) -> list[dict]:
         """The critic's conversation for one ordered comparison (first is A, second is B)."""
-        return critic_messages(self.rubrics, prompt, first, second)
+        return self.fmt.messages(self.rubrics, prompt, first, second)
+
+    def replies(self, conversations: Sequence[list[dict]]) -> list[str]:
+        """The critic's greedy reply to each conversation (one chat call each; subclasses may batch)."""
+        assert self.model is not None, "SelfCritic without a model must override replies"
+        return [self.model.chat(c, temperature=0.0, max_tokens=self.max_tokens)[0].content or ""
+                for c in conversations]
 
     def compare(self, prompt: str, a: str, b: str) -> Judgment:
         """Judge a against b, once in each order."""
-        replies, a_votes, violations = [], [], [False, False]
-        for first_is_a in (True, False):
-            first, second = (a, b) if first_is_a else (b, a)
-            reply = self.model.chat(self.messages(prompt, first, second), temperature=0.0,
-                                    max_tokens=self.max_tokens)[0].content or ""
-            replies.append(reply)
-            winner, violated = parse_verdict(reply)
-            first_vote = {"A": 1.0, "B": 0.0, "TIE": 0.5, None: 0.5}[winner]
-            a_votes.append(first_vote if first_is_a else 1.0 - first_vote)
-            a_side, b_side = (violated[0], violated[1]) if first_is_a else (violated[1], violated[0])
-            violations = [violations[0] or a_side, violations[1] or b_side]
-        score = sum(a_votes) / len(a_votes)
-        if violations[0] != violations[1]:  # mandatory rubrics override the overall preference
-            score = 0.0 if violations[0] else 1.0
-        return Judgment(score, (violations[0], violations[1]), replies)
+        return self.judge(prompt, [(a, b)])[0]
+
+    def judge(self, prompt: str, pairs: Sequence[tuple[str, str]]) -> list[Judgment]:
+        """`compare` for many pairs of responses to one prompt, with one `replies` call for all of them."""
+        orders = [(first, second) for a, b in pairs for first, second in ((a, b), (b, a))]
+        replies = self.replies([self.messages(prompt, first, second) for first, second in orders])
+        judgments = []
+        for p in range(len(pairs)):
+            a_votes, violations = [], [False, False]
+            for o, first_is_a in ((2 * p, True), (2 * p + 1, False)):
+                winner, violated = self.fmt.parse(replies[o], *orders[o])
+                first_vote = {"A": 1.0, "B": 0.0, "TIE": 0.5, None: 0.5}[winner]
+                a_votes.append(first_vote if first_is_a else 1.0 - first_vote)
+                a_side, b_side = (violated[0], violated[1]) if first_is_a else (violated[1], violated[0])
+                violations = [violations[0] or a_side, violations[1] or b_side]
+            score = sum(a_votes) / len(a_votes)
+            if violations[0] != violations[1]:  # mandatory rubrics override the overall preference
+                score = 0.0 if violations[0] else 1.0
+            judgments.append(Judgment(score, (violations[0], violations[1]), replies[2 * p: 2 * p + 2]))
+        return judgments
 
     def rewards(self, prompt: str, responses: Sequence[str]) -> list[float]:
         """Each response's mean win share against every other response (round robin); in [0, 1]."""
         if len(responses) < 2:
             raise ValueError("pairwise rewards need at least two responses")
+        index = list(itertools.combinations(range(len(responses)), 2))
+        judgments = self.judge(prompt, [(responses[i], responses[j]) for i, j in index])
         wins = [0.0] * len(responses)
-        for i, j in itertools.combinations(range(len(responses)), 2):
-            score = self.compare(prompt, responses[i], responses[j]).score
-            wins[i] += score
-            wins[j] += 1.0 - score
+        for (i, j), judgment in zip(index, judgments, strict=True):
+            wins[i] += judgment.score
+            wins[j] += 1.0 - judgment.score
         return [w / (len(responses) - 1) for w in wins]
 
 

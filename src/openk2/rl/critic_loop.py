@@ -20,6 +20,7 @@ Two pieces, both usable by the RL loop's mixture of environments:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import re
@@ -28,12 +29,12 @@ from collections.abc import Sequence
 
 from openk2.rl.critic import (
     DEFAULT_RUBRICS,
+    RUBRIC_FORMAT,
     TASK_RUBRICS,
     CriticCalibration,
+    CriticFormat,
     Rubric,
     SelfCritic,
-    critic_messages,
-    parse_verdict,
 )
 from openk2.rl.tasks.base import Problem, Task
 
@@ -79,14 +80,14 @@ class SelfCritiqueReward:
                 for w, r in zip(wins, responses, strict=True)]
 
 
-def verdict_score(reply: str) -> float:
-    """Response A's share of the win in one critic reply, mandatory violations overriding (as SelfCritic.compare
-    does for each order); 0.5 for a tie or no verdict.
+def verdict_score(reply: str, fmt: CriticFormat = RUBRIC_FORMAT, first: str = "", second: str = "") -> float:
+    """Response A's share of the win in one critic reply (to the comparison of `first` with `second` in `fmt`),
+    mandatory violations overriding (as SelfCritic.compare does for each order); 0.5 for a tie or no verdict.
 
     >>> verdict_score("Winner: A"), verdict_score("Violations: A\\nWinner: A"), verdict_score("no idea")
     (1.0, 0.0, 0.5)
     """
-    winner, (a_bad, b_bad) = parse_verdict(reply)
+    winner, (a_bad, b_bad) = fmt.parse(reply, first, second)
     if a_bad != b_bad:
         return 0.0 if a_bad else 1.0
     return {"A": 1.0, "B": 0.0}.get(winner or "", 0.5)
@@ -101,14 +102,16 @@ class CriticRefinementTask(Task):
     max_tokens = 64  # a verdict: brief reasoning, then the two closing lines
 
     def __init__(self, rubrics: Sequence[Rubric] = LOOP_RUBRICS, max_pairs_per_group: int = 4,
-                 max_pool: int = 512, seed: int = 0) -> None:
+                 max_pool: int = 512, seed: int = 0, fmt: CriticFormat = RUBRIC_FORMAT,
+                 max_tokens: int = 64) -> None:
         """`max_pairs_per_group` pairs (each in both orders) are kept per observed group, the newest `max_pool`
-        comparisons overall (older ones came from an older policy)."""
+        comparisons overall (older ones came from an older policy); `fmt` words the comparisons and reads the
+        verdicts (the rubric prompt, or `critic_compact.COMPACT_FORMAT` for small policies)."""
         if max_pairs_per_group < 1 or max_pool < 2:
             raise ValueError("max_pairs_per_group must be >= 1 and max_pool >= 2")
         if not rubrics:
             raise ValueError("the critic needs at least one rubric")
-        self.rubrics = list(rubrics)
+        self.rubrics, self.fmt, self.max_tokens = list(rubrics), fmt, max_tokens
         self.max_pairs_per_group, self.max_pool = max_pairs_per_group, max_pool
         self.rng = random.Random(seed)
         self.pool: list[Problem] = []
@@ -123,10 +126,11 @@ class CriticRefinementTask(Task):
             better = i if rewards[i] > rewards[j] else j
             for first, second in ((i, j), (j, i)):  # both orders: a position-biased critic scores 0.5
                 target = "A" if first == better else "B"
-                prompt = critic_messages(self.rubrics, problem.prompt, responses[first],
-                                         responses[second])[0]["content"]
+                prompt = self.fmt.messages(self.rubrics, problem.prompt, responses[first],
+                                           responses[second])[0]["content"]
                 added.append(Problem(prompt, {"target": target, "source": problem.task,
-                                              "rewards": [float(rewards[first]), float(rewards[second])]},
+                                              "rewards": [float(rewards[first]), float(rewards[second])],
+                                              "responses": [responses[first], responses[second]]},
                                      task=self.name, seed=len(self.pool) + len(added)))
         self.pool = (self.pool + added)[-self.max_pool:]
         return len(added)
@@ -140,8 +144,20 @@ class CriticRefinementTask(Task):
 
     def verify(self, problem: Problem, response_text: str) -> float:
         """1.0 if the verdict prefers the better-verified response, else 0.0 (ties and no verdict included)."""
-        score = verdict_score(response_text)
+        first, second = problem.data.get("responses", ("", ""))
+        score = verdict_score(response_text, self.fmt, first, second)
         return float(score != 0.5 and (score > 0.5) == (problem.data["target"] == "A"))
+
+    def state_dict(self) -> dict:
+        """The pool and the pair-sampling RNG, JSON-ready (saved in RL checkpoints: the pool cannot be rebuilt)."""
+        version, internal, gauss = self.rng.getstate()
+        return {"pool": [dataclasses.asdict(p) for p in self.pool], "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` saved."""
+        self.pool = [Problem(**p) for p in state["pool"]]
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
 
 
 def greedy_accuracy(critic: SelfCritic, task: Task, problems: Sequence[Problem],

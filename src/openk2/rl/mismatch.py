@@ -87,8 +87,9 @@ def measure(model: torch.nn.Module, trajectories: Sequence[Any], pad_id: int, re
     logp_NT = logits.log_softmax(-1).gather(-1, targets_NT.to(device)[..., None]).squeeze(-1).cpu()
     diffs, rows_b, rows_t = [], [], []
     for b, t in enumerate(trajectories):
-        counted = [j for j in range(len(t.token_ids))
-                   if version is None or not t.versions or t.versions[j] == version]
+        counted = [j for j in range(len(t.token_ids))  # sampled tokens only (a tool episode's context has mask 0)
+                   if (version is None or not t.versions or t.versions[j] == version)
+                   and (not getattr(t, "mask", None) or t.mask[j])]
         start = len(t.prompt_ids) - 1
         pos = torch.tensor([start + j for j in counted], dtype=torch.long)
         rollout = torch.tensor([t.logprobs[j] for j in counted], dtype=torch.float64)

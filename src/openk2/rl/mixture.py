@@ -6,20 +6,24 @@ run and a fresh one draw the same environments and problems; a one-environment m
 problems as the loop did before it had a mixture. The held-out problems of an environment are excluded from
 its training stream (and from the supervised warm-up's).
 
-Multi-turn tool environments (`openk2.rl.env.ToolEnv`, the tau2 retail tools of `openk2.eval.tau2_env`) are
-not in the mixture yet: the loop's rollout is one assistant turn per group. The hook is `MixtureEnv`: an entry
-whose rollout runs tool calls would give `PartialRollout` its episodes and return their verified rewards here.
+An entry whose task is a `ToolTask` (e.g. `lookup`) is a multi-turn tool environment: the trainer gives it a
+`ToolRollout` (`MixtureEnv.tools`), which plays its groups as episodes with executed tool calls instead of
+`PartialRollout`'s single turns (openk2.rl.tool_rollout; docs/rl.md, "Multi-turn tool environments").
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from openk2.rl import tasks
 from openk2.rl.config import EnvSection, RLConfig
 from openk2.rl.tasks import Problem, Task
+
+if TYPE_CHECKING:
+    from openk2.rl.tool_rollout import ToolRollout
 
 
 @dataclass
@@ -31,20 +35,33 @@ class MixtureEnv:
     max_tokens: int
     eval_problems: list[Problem]
     exclude: set[str] = field(default_factory=set)  # held-out prompts, never drawn for training
+    tools: ToolRollout | None = None  # a tool task's multi-turn episodes (set by the trainer); None: single turn
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def ready(self) -> bool:
+        """Whether new groups may be drawn from it now (the critic's waits for its first comparisons)."""
+        return True
 
     def draw(self, seed: int, iteration: int) -> Problem:
         """The training problem for a group seeded `seed`, at the curriculum's levels of `iteration`."""
         return next(problems(self.task, self.spec.levels_at(iteration), seed, self.exclude))
 
 
-def build_mixture(cfg: RLConfig, seed: int) -> list[MixtureEnv]:
-    """The run's environments, with held-out problems drawn from a stream of their own (seed + 10_000)."""
+def build_mixture(cfg: RLConfig, seed: int,
+                  build_special: Callable[[EnvSection, RLConfig, int], MixtureEnv | None] | None = None,
+                  ) -> list[MixtureEnv]:
+    """The run's environments, with held-out problems drawn from a stream of their own (seed + 10_000);
+    `build_special` builds the entries that are not tasks (e.g. `critic_env.build_loop_env`), None for others."""
     envs = []
     for spec in cfg.environments():
+        special = build_special(spec, cfg, seed) if build_special is not None else None
+        if special is not None:
+            envs.append(special)
+            continue
         task = tasks.get(spec.task_name)
         budget = spec.max_tokens or cfg.rollout.max_tokens or task.max_tokens
         count = spec.eval_problems or cfg.task.eval_problems
@@ -54,10 +71,13 @@ def build_mixture(cfg: RLConfig, seed: int) -> list[MixtureEnv]:
 
 
 def choose_env(envs: Sequence[MixtureEnv], seed: int) -> MixtureEnv:
-    """The environment of a new group seeded `seed`, drawn by weight (no draw with one environment)."""
-    if len(envs) == 1:
-        return envs[0]
-    return random.Random(seed).choices(list(envs), weights=[e.spec.weight for e in envs])[0]
+    """The environment of a new group seeded `seed`, drawn by weight among the ready ones (no draw with one)."""
+    ready = [e for e in envs if e.ready]
+    if not ready:
+        raise ValueError("no environment of the mixture is ready to draw from")
+    if len(ready) == 1:
+        return ready[0]
+    return random.Random(seed).choices(ready, weights=[e.spec.weight for e in ready])[0]
 
 
 def problems(task: Task, difficulties: list[int], seed: int, exclude: set[str]) -> Iterator[Problem]:

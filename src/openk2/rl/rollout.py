@@ -47,6 +47,9 @@ class Trajectory:
     # R3: per position of prompt + response (the last token excluded), the L*K experts the rollout ran; empty
     # unless the rollout records routing (openk2.rl.routing_replay)
     routing: list[list[int]] = field(default_factory=list)
+    # per token, 1 where the policy sampled it and 0 where an environment wrote it (a multi-turn episode's tool
+    # results, openk2.rl.tool_episode: context, never trained on); empty: every token was sampled
+    mask: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -64,8 +67,13 @@ class Trajectory:
 
     @property
     def logprob_old(self) -> float:
-        """log pi_old(y|x): the sum of the sampled tokens' log-probs."""
+        """log pi_old(y|x): the sum of the sampled tokens' log-probs (context tokens carry 0)."""
         return float(sum(self.logprobs))
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens the policy sampled (all of them unless `mask` marks environment-written context)."""
+        return sum(self.mask) if self.mask else len(self.token_ids)
 
 
 @dataclass

@@ -12,9 +12,10 @@ One iteration:
    pi_old being each token's sampling log-prob, plus the optional PTX loss on warm-up data;
 4. weight sync: the checkpoint engine's bucketed copy moves the new weights into the inference copy.
 
-Engine switching on a GPU would also offload the training engine's parameters and optimizer state to host
-memory during step 1 (an H2D copy brings them back) and free the KV cache before step 3; on CPU both engines
-share host memory, so only the KV cache is released (see docs/rl.md).
+Engine switching on a GPU also offloads the training engine's parameters and optimizer state to host memory
+during step 1 (an H2D copy brings them back; rl/engine_switch.py) and frees the KV cache before step 3; on CPU
+both engines share host memory, so only the KV cache is released (see docs/rl.md). With `rollout.placement =
+"ray"` the rollout runs on Ray actors and step 4 broadcasts to them (rl/placement.py, rl/ray_placement.py).
 
 Checkpoints (`out_dir/checkpoints/step-N`) hold the policy in HF layout (so `openk2 serve` and `local:` load
 them), its tokenizer, the optimizer, the paused groups and the RNG states; `--resume` continues from the newest.
@@ -40,14 +41,18 @@ from openk2.infer.sampling import SamplingParams
 from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.model.routing import RoutingTrace
 from openk2.optim.muonclip import MuonClip
-from openk2.rl.ckpt_engine import sync_in_process
 from openk2.rl.config import OptimSection, RLConfig
+from openk2.rl.critic_env import CriticLoop, build_loop_env
 from openk2.rl.loss import budget_penalty, decayed_temperature, get_loss, ptx_loss
 from openk2.rl.mismatch import mismatch_record
 from openk2.rl.mixture import MixtureEnv, build_mixture, choose_env, held_out_problems
+from openk2.rl.placement import build_placement
 from openk2.rl.ptx import PTXStream
 from openk2.rl.rollout import Group, PartialRollout, new_group
 from openk2.rl.routing_replay import replay_trace
+from openk2.rl.tasks.tool_task import ToolTask
+from openk2.rl.tool_rollout import attach_tool_rollouts, run_tool_groups, tool_metrics
+from openk2.rl.tool_warmup import run_tool_warmup
 from openk2.rl.warmup import encode_prompt, run_warmup
 from openk2.rng import RNG_FILE, load_rng_state, save_rng_state, seed_everything
 from openk2.train.checkpoint import CheckpointManager
@@ -79,7 +84,7 @@ class RLTrainer:
             torch.set_num_threads(cfg.train.threads)
         seed = cfg.train.seed
         seed_everything(seed)
-        self.envs = build_mixture(cfg, seed)
+        self.envs = build_mixture(cfg, seed, build_loop_env)  # build_loop_env: the critic's own environment
         self.env_by_name = {e.name: e for e in self.envs}
         self.task = self.envs[0].task  # the first environment's task (the only one without [[envs]])
         self.eval_problems = [p for e in self.envs for p in e.eval_problems]
@@ -91,6 +96,8 @@ class RLTrainer:
             source = resume_from or Path(cfg.checkpoint)
             self.policy = K2ForCausalLM.from_pretrained(source, dtype=torch.float32)
             self.tokenizer = K2Tokenizer.load(source)
+        elif any(isinstance(e.task, ToolTask) for e in self.envs):  # tool transcripts too (rl/tool_warmup.py)
+            self.policy, self.tokenizer = run_tool_warmup(cfg, self.envs, self.out_dir)
         else:
             warm = self._warmup_env()
             self.policy, self.tokenizer = run_warmup(cfg, warm.task, self.out_dir, warm.exclude,
@@ -105,8 +112,16 @@ class RLTrainer:
                                       max_batch_size=cfg.rollout.max_batch_size, stop_token_ids=[self.im_end],
                                       seed=seed, record_routing=cfg.rollout.routing_replay
                                       or cfg.rollout.mismatch_every > 0)
+        # where rollouts run and how the weights reach them (rollout.placement: colocated, or Ray workers)
+        self.placement = build_placement(cfg.rollout, self.policy, self.inference, self.tokenizer, self.rollout,
+                                         bucket_bytes=cfg.train.sync_bucket_mb << 20, threads=cfg.train.threads,
+                                         optimizer=self.optimizer)
+        # multi-turn tool environments play their groups as episodes in this process (rl/tool_rollout.py)
+        attach_tool_rollouts(self.envs, self.tokenizer, max_context=self.policy.config.max_position_embeddings,
+                             max_batch_size=cfg.rollout.max_batch_size, seed=seed, placement=cfg.rollout.placement)
         self.loss_fn = get_loss(cfg.loss.name)
         self.ptx = PTXStream(self.tokenizer, cfg.loss, seed + 3) if cfg.loss.ptx_weight > 0 else None
+        self.critic = CriticLoop.build(self.envs, self.tokenizer, self.im_end, cfg)  # None without critic envs
         self.iteration = 0
         self.next_group = 0
         if resume_from is not None:
@@ -142,25 +157,33 @@ class RLTrainer:
         return RLSummary(self.out_dir, self.iteration, last_ckpt, evals[0] if evals else None,
                          evals[-1] if evals else None, plot)
 
+    def close(self) -> None:
+        """Release the rollout placement (Ray workers and the weight-sync group; nothing when colocated)."""
+        self.placement.close()
+
     def iterate(self) -> dict:
         """One rollout -> rewards -> training -> weight-sync iteration; returns its metrics record."""
         rc = self.cfg.rollout
         temperature = decayed_temperature(self.iteration, rc.temperature, rc.final_temperature,
                                           rc.temperature_decay_iterations, rc.temperature_schedule)
         fresh = [self._new_group() for _ in range(rc.prompts_per_iteration)]
+        tool_groups = [g for g in fresh if self._env(g).tools is not None]  # finish within this iteration
+        fresh = [g for g in fresh if self._env(g).tools is None]
         start = time.perf_counter()
-        done, stats = self.rollout.run(self.inference, self.tokenizer, fresh, iteration=self.iteration,
-                                       version=self.iteration, temperature=temperature)
+        done, stats = self.placement.rollout(fresh, iteration=self.iteration, version=self.iteration,
+                                             temperature=temperature)
+        tool_tokens = run_tool_groups(self.env_by_name, tool_groups, self.inference, iteration=self.iteration,
+                                      version=self.iteration, temperature=temperature)
+        done = done + tool_groups
         rollout_s = time.perf_counter() - start
-        record = {"temperature": temperature, "new_tokens": stats.new_tokens, "paused": stats.paused,
+        record = {"temperature": temperature, "new_tokens": stats.new_tokens + tool_tokens, "paused": stats.paused,
                   "resumed": stats.resumed, "groups_trained": len(done), "rollout_s": rollout_s}
         self.iteration += 1
         if done:
             start = time.perf_counter()
             record.update(self._train(done))
             record["train_s"] = time.perf_counter() - start
-            sync = sync_in_process(self.policy.state_dict(), self.inference.state_dict(),
-                                   bucket_bytes=self.cfg.train.sync_bucket_mb << 20)
+            sync = self.placement.sync(self.policy.state_dict())
             record.update(sync_s=sync.seconds, sync_gb_s=sync.gb_per_s)
         else:
             record.update(reward_mean=float("nan"))
@@ -172,8 +195,13 @@ class RLTrainer:
         raw, lengths, budgets = [], [], []
         for g in groups:
             task = self._env(g).task
-            raw.append([task.verify(g.problem, self._response_text(t.token_ids)) for t in g.trajectories])
-            lengths.append([len(t.token_ids) for t in g.trajectories])
+            if self._env(g).tools is not None:  # a tool episode is scored when it ends (rl/tool_episode.py)
+                raw.append([t.reward for t in g.trajectories])
+            else:
+                texts = [self._response_text(t.token_ids) for t in g.trajectories]
+                judged = self.critic.rewards(self._env(g), g.problem, texts, self.inference) if self.critic else None
+                raw.append(judged if judged is not None else [task.verify(g.problem, text) for text in texts])
+            lengths.append([t.num_sampled for t in g.trajectories])  # policy-sampled tokens (no tool text)
             budgets.append([self.rollout.budget(g)] * len(g.trajectories))
         raw_t, len_t = torch.tensor(raw), torch.tensor(lengths)
         penalised = budget_penalty(raw_t, len_t, torch.tensor(budgets), self.cfg.loss.budget_penalty)
@@ -194,6 +222,11 @@ class RLTrainer:
                   "truncated": float((lengths >= budgets).float().mean())}
         if len(self.envs) > 1:
             record.update(per_env_metrics(raw, lengths, [g.env for g in groups]))
+        for env in self.envs:
+            if env.tools is not None:  # tool calls per episode, malformed-call rate, turns
+                record.update(tool_metrics(groups, env.name))
+        if self.critic is not None:  # the closed loop: the critic's pools learn these verified groups first
+            record.update(self.critic.observe(groups, raw, self._response_text))
         informative = informative_groups(rewards)
         record["groups_informative"] = int(informative.sum())
         every = self.cfg.rollout.mismatch_every
@@ -256,7 +289,8 @@ class RLTrainer:
         seed = self.cfg.train.seed
         env = choose_env(self.envs, seed=hash((seed, gid, 1)))  # ints only: hash() of a str varies per process
         problem = env.draw(hash((seed, gid)), self.iteration)
-        return new_group(gid, problem, encode_prompt(self.tokenizer, problem), self.cfg.rollout.samples_per_prompt,
+        prompt = env.tools.prompt_ids(problem) if env.tools is not None else encode_prompt(self.tokenizer, problem)
+        return new_group(gid, problem, prompt, self.cfg.rollout.samples_per_prompt,
                          self.iteration, env=env.name, max_tokens=env.max_tokens)
 
     def _warmup_env(self) -> MixtureEnv:
@@ -281,18 +315,27 @@ class RLTrainer:
         scores: dict[str, list[float]] = {}
         greedy_lengths: list[int] = []
         for env in self.envs:
+            if not env.eval_problems:  # the critic's environment: its held-out accuracy is critic_accuracy
+                continue
             for name, temperature, offset in passes:
-                params = SamplingParams(max_tokens=env.max_tokens, temperature=temperature,
-                                        seed=self.cfg.train.seed + offset, stop_token_ids=[self.im_end])
-                results = engine.generate(prompts[env.name], params)
-                values = [env.task.verify(p, self._response_text(r.token_ids))
-                          for p, r in zip(env.eval_problems, results, strict=True)]
+                if env.tools is not None:  # multi-turn episodes, scored by the task's episode verifier
+                    values, lengths = env.tools.evaluate(self.inference, env.eval_problems, temperature=temperature,
+                                                         seed=self.cfg.train.seed + offset)
+                else:
+                    params = SamplingParams(max_tokens=env.max_tokens, temperature=temperature,
+                                            seed=self.cfg.train.seed + offset, stop_token_ids=[self.im_end])
+                    results = engine.generate(prompts[env.name], params)
+                    values = [env.task.verify(p, self._response_text(r.token_ids))
+                              for p, r in zip(env.eval_problems, results, strict=True)]
+                    lengths = [len(r.token_ids) for r in results]
                 scores.setdefault(name, []).extend(values)
                 if len(self.envs) > 1:
                     scores.setdefault(f"{name}/{env.name}", []).extend(values)
                 if temperature == 0.0:
-                    greedy_lengths += [len(r.token_ids) for r in results]
+                    greedy_lengths += lengths
         out = {"eval_response_len": float(np.mean(greedy_lengths))}
+        if self.critic is not None:
+            out.update(self.critic.evaluate(self.inference))
         out.update({name: float(np.mean(values)) for name, values in scores.items()})
         return out
 
@@ -307,6 +350,8 @@ class RLTrainer:
             save_rng_state(path / RNG_FILE)
             state = {"iteration": self.iteration, "next_group": self.next_group,
                      "rollout": self.rollout.state_dict()}
+            if self.critic is not None:  # the pools of observed comparisons cannot be rebuilt
+                state["critic"] = self.critic.state_dict()
             (path / STATE_FILE).write_text(json.dumps(state))
 
         return self.ckpts.save(self.iteration, write)
@@ -316,6 +361,8 @@ class RLTrainer:
         state = json.loads((path / STATE_FILE).read_text())
         self.iteration, self.next_group = state["iteration"], state["next_group"]
         self.rollout.load_state_dict(state["rollout"])
+        if self.critic is not None:
+            self.critic.load_state_dict(state.get("critic", {}))
         load_rng_state(path / RNG_FILE)
         print(f"resumed from {path} at iteration {self.iteration}", file=sys.stderr)
 
@@ -377,7 +424,8 @@ def _pack_sequences(trajectories, pad_id: int) -> tuple[torch.Tensor, torch.Tens
     for b, t in enumerate(trajectories):
         seq = t.prompt_ids + t.token_ids
         ids[b, : len(seq)] = torch.tensor(seq)
-        mask[b, len(t.prompt_ids) - 1: len(seq) - 1] = 1.0
+        # a multi-turn episode's tool text is context (mask 0): only the tokens the policy sampled count
+        mask[b, len(t.prompt_ids) - 1: len(seq) - 1] = torch.tensor(t.mask, dtype=mask.dtype) if t.mask else 1.0
     return ids, ids[:, 1:], mask
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,6 +39,8 @@ from openk2.rng import seed_everything
 _TOKEN_RE = re.compile(r"\d+|[-+*]")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 WARMUP_DIR = "warmup"
+# One warm-up example as (text, trained on) runs: text written by openk2 itself (markers become control tokens)
+Example = list[tuple[str, bool]]
 
 
 # ---------------------------------------------------------------------- the data
@@ -76,14 +78,24 @@ def sft_text(problem: Problem) -> tuple[str, str]:
     return chat_prompt(problem), worked_solution(problem.data["expression"]) + IM_END
 
 
-def sft_batch(tokenizer: K2Tokenizer, batch: list[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
+def sft_example(problem: Problem) -> Example:
+    """The arithmetic warm-up example: the prompt (not trained on), then the worked solution (trained on)."""
+    prompt, target = sft_text(problem)
+    return [(prompt, False), (target, True)]
+
+
+def sft_batch(tokenizer: K2Tokenizer, batch: list[Problem],
+              example: Callable[[Problem], Example] = sft_example) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [B, T] right-padded with [PAD] and labels [B, T] (-100 outside the targets)."""
     rows = []
     for problem in batch:
-        prompt, target = sft_text(problem)
-        p = tokenizer.encode(prompt, allow_special=True)
-        t = tokenizer.encode(target, allow_special=True)
-        rows.append((p + t, [-100] * len(p) + t))
+        ids: list[int] = []
+        labels: list[int] = []
+        for text, trained in example(problem):
+            run = tokenizer.encode(text, allow_special=True)
+            ids += run
+            labels += run if trained else [-100] * len(run)
+        rows.append((ids, labels))
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
@@ -95,22 +107,25 @@ def sft_batch(tokenizer: K2Tokenizer, batch: list[Problem]) -> tuple[torch.Tenso
 
 # ---------------------------------------------------------------------- the run
 def run_warmup(cfg: RLConfig, task: Task, out_dir: Path, exclude: set[str],
-               difficulties: list[int] | None = None) -> tuple[K2ForCausalLM, K2Tokenizer]:
+               difficulties: list[int] | None = None, stream: Iterator[Problem] | None = None,
+               example: Callable[[Problem], Example] = sft_example) -> tuple[K2ForCausalLM, K2Tokenizer]:
     """Train (or reload, when `out_dir/warmup` holds a finished one) the warmed-up policy and its tokenizer, on
-    `task`'s problems at `difficulties` (default: [task] difficulties) minus the `exclude`d held-out prompts."""
+    `task`'s problems at `difficulties` (default: [task] difficulties) minus the `exclude`d held-out prompts, or
+    on the problems of `stream` when given, each written out by `example`."""
     done = out_dir / WARMUP_DIR
     if (done / "config.json").is_file() and (done / "tokenizer.json").is_file():
         print(f"warm-up: reusing {done}", file=sys.stderr)
         return K2ForCausalLM.from_pretrained(done, dtype=torch.float32), K2Tokenizer.load(done)
     wc = cfg.warmup
     seed = cfg.train.seed
-    stream = problems(task, difficulties or cfg.task.difficulties, seed + 1, exclude)
-    texts = ["".join(sft_text(next(stream))) for _ in range(wc.tokenizer_examples)]
+    if stream is None:
+        stream = problems(task, difficulties or cfg.task.difficulties, seed + 1, exclude)
+    texts = ["".join(text for text, _ in example(next(stream))) for _ in range(wc.tokenizer_examples)]
     tokenizer = train_tokenizer(texts, cfg.model.vocab_size)
     seed_everything(seed)  # the policy's initial weights
     model = K2ForCausalLM(cfg.model)
     if wc.steps:
-        _fit(model, tokenizer, stream, cfg)
+        _fit(model, tokenizer, stream, cfg, example)
     tmp = out_dir / f".{WARMUP_DIR}-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(done, ignore_errors=True)  # an incomplete earlier attempt
@@ -120,7 +135,8 @@ def run_warmup(cfg: RLConfig, task: Task, out_dir: Path, exclude: set[str],
     return model, tokenizer
 
 
-def _fit(model: K2ForCausalLM, tokenizer: K2Tokenizer, stream: Iterator[Problem], cfg: RLConfig) -> None:
+def _fit(model: K2ForCausalLM, tokenizer: K2Tokenizer, stream: Iterator[Problem], cfg: RLConfig,
+         example: Callable[[Problem], Example] = sft_example) -> None:
     wc = cfg.warmup
     optimizer = MuonClip(model, lr=wc.lr, weight_decay=0.0, tau=cfg.optim.qk_clip_tau,
                          use_muon=cfg.optim.optimizer != "adamw")  # an sgd RL run still warms up with Muon
@@ -132,7 +148,7 @@ def _fit(model: K2ForCausalLM, tokenizer: K2Tokenizer, stream: Iterator[Problem]
     bar = tqdm(range(wc.steps), desc="warm-up", unit="step", dynamic_ncols=True, disable=None)
     for step in bar:
         optimizer.set_lr(wsd_lr(step, schedule))
-        ids, labels = sft_batch(tokenizer, [next(stream) for _ in range(wc.batch_size)])
+        ids, labels = sft_batch(tokenizer, [next(stream) for _ in range(wc.batch_size)], example)
         stats = ForwardStats(model.config, track_max_logits=True)
         loss = model(ids, labels=labels, stats=stats).loss
         loss.backward()
@@ -144,4 +160,5 @@ def _fit(model: K2ForCausalLM, tokenizer: K2Tokenizer, stream: Iterator[Problem]
     bar.close()
 
 
-__all__ = ["chat_prompt", "encode_prompt", "problems", "run_warmup", "sft_batch", "sft_text", "worked_solution"]
+__all__ = ["Example", "chat_prompt", "encode_prompt", "problems", "run_warmup", "sft_batch", "sft_example", "sft_text",
+           "worked_solution"]

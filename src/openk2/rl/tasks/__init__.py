@@ -30,6 +30,7 @@ _BUILTIN: dict[str, str] = {
     "code": "openk2.rl.tasks.code:CodeTask",
     "faithfulness": "openk2.rl.tasks.faithfulness:FaithfulnessTask",
     "safety": "openk2.rl.tasks.safety:SafetyTask",
+    "lookup": "openk2.rl.tasks.lookup:LookupTask",  # multi-turn: a ToolTask (rl/tool_episode.py runs it)
 }
 _USER: dict[str, Callable[..., Task]] = {}
 _REASONING_GYM_PREFIX = "rg:"
