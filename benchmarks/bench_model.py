@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DTYPES, hf_copy, machine_summary, quiet_transformers, time_call  # noqa: E402
+from profile_step import profile_step  # noqa: E402
 
 from openk2 import K2ForCausalLM, ModelConfig  # noqa: E402
 from openk2.model.compile import compile_blocks, compile_seconds  # noqa: E402
@@ -112,27 +113,6 @@ def pick_hf_experts(hf, seq_len: int, vocab: int, rounds: int = 2) -> tuple[str,
     return min(best_time, key=best_time.get), report
 
 
-def profile_ours(model: torch.nn.Module, ids: torch.Tensor, top: int, steps: int = 3) -> None:
-    """Print our step's top ops by self CPU time; of `steps` profiled steps the least disturbed (fastest) one."""
-    from torch.profiler import ProfilerActivity, profile
-
-    train_step(model, ids)
-    best = None
-    for _ in range(steps):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            train_step(model, ids)
-        events = prof.key_averages()
-        total = sum(e.self_cpu_time_total for e in events)
-        if best is None or total < best[0]:
-            best = (total, sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True))
-    total, events = best
-    print(f"\ntop {top} ops of our training step by self CPU time ({next(model.parameters()).dtype}, "
-          f"fastest of {steps} profiled steps: {total / 1e6:.2f} s):")
-    for e in events[:top]:
-        print(f"  {e.key:<40} {e.self_cpu_time_total / 1e3:9.1f} ms  {100 * e.self_cpu_time_total / total:5.1f}%"
-              f"  calls {e.count}")
-
-
 def compiled_steps(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, warmups: dict[str, float]):
     """Step functions for block-compiled copies of both models; their first (compiling) step is run here and its
     wall time stored in `warmups` (with the compile seconds torch reports, when it does)."""
@@ -168,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ceiling-n", type=int, default=1024, help="matmul size n of the ceiling")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
-                        help="also print our step's top K ops by self CPU time (fp32)")
+                        help="also print our step's top K ops by self CPU time, forward and backward apart")
+    parser.add_argument("--profile-dtype", default="fp32", choices=list(DTYPES), help="dtype of --profile")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true",
                         help="also time both models with each decoder block torch.compiled (regional compile: "
@@ -218,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
           f"batch {args.batch_size} x {args.seq_len} = {tokens} tokens/step; "
           f"{flops_tok / 1e6:.2f} MFLOP/token (fwd+bwd); warmup {args.warmup}, repeats {args.repeats}")
     if args.profile:
-        profile_ours(ours32, batches[0], args.profile)
+        dtype = DTYPES[args.profile_dtype]
+        profile_step(ours32 if dtype == torch.float32 else copy.deepcopy(ours32).to(dtype), batches[0], args.profile)
 
     rows = []
     for name in dtypes:
@@ -231,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.compile:
             steps.update(compiled_steps(ours, hf, batches[0], warmups))
         times: dict[str, list[float]] = {who: [] for who in steps}
+        cpu_times: dict[str, list[float]] = {who: [] for who in steps}  # process CPU seconds per step
         losses, timed_start, stopped_early = {}, 0.0, False
         for i, ids in enumerate(batches):
             done = i - args.warmup
@@ -243,17 +226,19 @@ def main(argv: list[str] | None = None) -> None:
                     break
             order = list(steps)
             for who in order if i % 2 == 0 else order[::-1]:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 loss = steps[who](ids)
-                elapsed = time.perf_counter() - start
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
                 if i == 0:
                     losses[who] = loss
                 if i >= args.warmup:
                     times[who].append(elapsed)
+                    cpu_times[who].append(cpu)
         ceiling = measure_matmul_peak(dtype, size=args.ceiling_n, repeats=5)
         ours_tps = tokens / statistics.median(times["ours"])
         hf_tps = tokens / statistics.median(times["hf"])
-        row = dict(dtype=name, ours=ours_tps, hf=hf_tps, ratio=ours_tps / hf_tps,
+        cpu_ratio = statistics.median(cpu_times["hf"]) / statistics.median(cpu_times["ours"])
+        row = dict(dtype=name, ours=ours_tps, hf=hf_tps, ratio=ours_tps / hf_tps, cpu_ratio=cpu_ratio,
                    ours_flops=ours_tps * flops_tok, hf_flops=hf_tps * flops_tok, ceiling=ceiling)
         rows.append(row)
         if args.compile:
@@ -272,16 +257,20 @@ def main(argv: list[str] | None = None) -> None:
               f"step time range ours {spread['ours']}, HF {spread['hf']}; "
               f"loss batch 0 ours {losses['ours']:.4f} HF {losses['hf']:.4f}")
         print(f"[{name}] ours {ours_tps:,.0f} tok/s | HF {hf_tps:,.0f} tok/s | ours/HF {row['ratio']:.2f}x")
+        cpu_line = ", ".join(f"{who} {statistics.median(t):.3f} s" for who, t in cpu_times.items())
+        print(f"[{name}] process CPU time per step (median; with --threads 1 robust to other processes' load): "
+              f"{cpu_line}; HF/ours {cpu_ratio:.2f}x")
         print(f"[{name}] ours {row['ours_flops'] / 1e9:.2f} GFLOP/s, MFU {row['ours_flops'] / ceiling:.1%} | "
               f"HF {row['hf_flops'] / 1e9:.2f} GFLOP/s, MFU {row['hf_flops'] / ceiling:.1%} | "
               f"ceiling {ceiling / 1e9:.1f} GFLOP/s ({args.ceiling_n}x{args.ceiling_n} @ W^T, {name})")
 
     print(f"\nmachine after: {machine_summary()}")
     print(f"total {time.perf_counter() - started:.0f} s\n")
-    print("| dtype | ours tok/s | HF tok/s | ours/HF | ours GFLOP/s | ours MFU | HF MFU | matmul ceiling GFLOP/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| dtype | ours tok/s | HF tok/s | ours/HF | ours/HF (CPU time) | ours GFLOP/s | ours MFU | HF MFU | "
+          "matmul ceiling GFLOP/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['ours']:,.0f} | {r['hf']:,.0f} | {r['ratio']:.2f}x | "
+        print(f"| {r['dtype']} | {r['ours']:,.0f} | {r['hf']:,.0f} | {r['ratio']:.2f}x | {r['cpu_ratio']:.2f}x | "
               f"{r['ours_flops'] / 1e9:.2f} | {r['ours_flops'] / r['ceiling']:.1%} | "
               f"{r['hf_flops'] / r['ceiling']:.1%} | {r['ceiling'] / 1e9:.1f} |")
 

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openk2.model.rms_norm_fn import RMSNormFunction
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 (as DeepSeek-V3), weight applied after casting back to the input dtype."""
@@ -16,10 +18,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # x * rsqrt(mean(x^2) + eps) on the fp32 copy in one fused kernel, bit for bit the pow/mean/rsqrt/mul it
+        # replaces (tests/model/test_fused_ops.py); with gradients, one autograd node with a closed-form backward.
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return RMSNormFunction.apply(x, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class MLP(nn.Module):

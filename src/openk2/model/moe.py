@@ -126,7 +126,8 @@ class RoutedExperts(nn.Module):
         counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         offsets = counts_E.cumsum(0).to(torch.int32)
         dtype = torch.get_autocast_dtype(x_ND.device.type) if torch.is_autocast_enabled() else x_ND.dtype
-        x_MD = x_ND[token_of_row].to(dtype)
+        # index_select, not x_ND[token_of_row]: its backward is one index_add, not a sorting index_put.
+        x_MD = x_ND.index_select(0, token_of_row).to(dtype)
         if self.use_grouped_mm and x_MD.device.type == "cpu" and 0 < n * k < counts_E.numel() * IDLE_SKIP_ROWS:
             # Few rows (decode): many experts are idle and CPU grouped_mm pays per group; on GPU the grouped
             # kernel skips empty groups itself, and finding the idle ones would cost a device sync.

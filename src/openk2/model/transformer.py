@@ -17,6 +17,7 @@ from torch import nn
 from openk2.config import ModelConfig
 from openk2.model.attention import InnerAttention, MLAttention, segment_causal_mask
 from openk2.model.chunked_loss import chunked_cross_entropy
+from openk2.model.fused_loss import cross_entropy
 from openk2.model.init import draw_init_seed, init_weights
 from openk2.model.layers import MLP, RMSNorm
 from openk2.model.moe import MoE
@@ -167,7 +168,7 @@ class K2ForCausalLM(nn.Module):
                 loss = chunked_cross_entropy(hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                              chunk_tokens=self.loss_chunk_tokens)
             else:
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+                loss = cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
             if aux_loss is not None:
                 loss = loss + aux_loss
         if stats is not None:

@@ -24,7 +24,9 @@ from openk2.train.parallel.plan import plan
 CONFIGS = sorted((Path(__file__).parents[3] / "configs").glob("*.toml"))
 NOT_RUN_PREFIXES = ("pipeline-", "rl-", "synth-")  # other commands' files (openk2 pipeline / rl / synth)
 NOT_RUN_CONFIGS = {p.name for p in CONFIGS if p.name.startswith(NOT_RUN_PREFIXES)}
-ACTIVATION_TOLERANCE = 0.10  # measured on the micro model below: estimate / measured = 0.93 .. 0.99
+# Measured on the micro model below: estimate / measured = 0.90 .. 0.99, lowest for selective+fp8 (an absolute gap
+# of ~0.72 MB, as before the loss stopped saving a [N, V] fp32 log-softmax, now over a total ~1 MB smaller).
+ACTIVATION_TOLERANCE = 0.11
 
 
 def test_the_config_list_is_complete():

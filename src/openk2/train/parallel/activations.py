@@ -11,7 +11,7 @@ listed by reading what `saved_tensors_hooks` receive on a real forward:
 * MoE: router scores (fp32) and chosen indices/weights; per routed (token, slot) row: the gathered input, the
   expert SwiGLU's four tensors, the output and its weighted copy, two int64 row indices; with ep > 1 also the
   received rows and their expert-sorted copy;
-* the head: final norm, logits and the fp32 log-softmax of the loss.
+* the head: final norm, logits and the loss's per-token log-sum-exp and target (model/fused_loss.py).
 
 Memory options (train/memory.py) change the saved set: "full" recompute keeps each layer's fp32 input only;
 "selective" keeps the layer input and the outputs of kept matmuls/attention kernels (not q_b/kv_b/down
@@ -126,9 +126,9 @@ class ActivationModel:
         return kept
 
     def head(self) -> float:
-        """Final norm, logits and the loss's fp32 log-softmax, per token."""
+        """Final norm, logits and the loss's saves per token: fp32 log-sum-exp, int64 target, bool mask."""
         v = self.config.vocab_size
-        return self._norm(self.config.hidden_size) + self.act_bytes * v + 4 * v
+        return self._norm(self.config.hidden_size) + self.act_bytes * v + 4 + 8 + 1
 
     def recompute_transient(self, moe: bool) -> float:
         """Per token: the one layer a recomputing backward re-materialises at a time (0 without recompute)."""
