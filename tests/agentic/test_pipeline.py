@@ -72,6 +72,9 @@ def test_acceptance_report_at_every_stage(tmp_path, capsys):
     assert (st["tasks"]["asked"], st["tasks"]["produced"]) == (6, 6)
     traj = st["trajectories"]
     assert traj["produced"] == 6 and traj["tool_calls"] > 0 and traj["tool_call_validity"] == 1.0
+    sources = traj["result_sources"]  # every call answered by the world or an injected fault, none by a model
+    assert set(sources) <= {"world", "injected_fault"} and sum(sources.values()) == traj["tool_calls"]
+    assert sources["world"] > 0
     assert st["judged"] == {"judged": 6, "accepted": 6, "acceptance_rate": 1.0, "rejections": {}}
     stages = json.loads((tmp_path / "stages.json").read_text())
     assert stages["usage"]["judge"]["calls"] == 6 and stages["throughput"]["episodes"]["items"] == 6
@@ -242,3 +245,11 @@ json_attempts = 1
     assert stats["acceptance"]["judged"] == len(judged)
     print(f"smollm2 pipeline: {seconds:.1f} s, stats: {json.dumps(stats['acceptance'])}, "
           f"outcomes: {stats['tool_outcomes']}")
+
+
+def test_result_sources_bucket_every_outcome():
+    from openk2.agentic.stage_stats import result_sources
+
+    got = result_sources({"ok": 3, "not_found": 1, "partial": 1, "real": 1, "real_error": 1, "timeout": 2,
+                          "invalid_arguments": 1, "tests_failed": 1, "phrasing_rejected": 5})
+    assert got == {"world": 5, "real_server": 2, "injected_fault": 2, "rejected_call": 1, "sandbox": 1}

@@ -70,6 +70,19 @@ def test_required_first_forces_only_the_first_turn():
     assert traj.end_reason == "max_user_turns"
 
 
+def test_forced_call_turns_get_the_call_budget_and_answers_keep_theirs():
+    talker = Talker()
+    task = _task(["order_item"])
+    sim = ToolSimulator(_TOOLS, seed=0, episode_id="e0", world_key="shop")
+    user = UserSimulator(ScriptedModel(), PERSONAS[0], task.instruction)
+    asyncio.run(run_episode("e0", _AGENT, task, _TOOLS, talker, user, sim, PERSONAS[0], max_user_turns=1,
+                            max_agent_steps=4, agent_tool_choice="required_first", call_max_tokens=24,
+                            max_tokens=64))
+    budgets = [(c["sampling"].get("tool_choice"), c["sampling"]["max_tokens"]) for c in talker.calls
+               if c["tools"] is not None]
+    assert budgets == [("required", 24), (None, 64)]
+
+
 def test_required_forces_until_every_expected_tool_was_called():
     talker = Talker()
     traj = _play(talker, "required", ["find_item", "order_item"], steps=5)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
-from openk2.agentic.domains import SEED_CATEGORIES, Domain, evolve_domains, synthesize_tools
+from openk2.agentic.domains import SEED_CATEGORIES, Domain, evolve_domains, synthesize_tools, tools_schema
 from openk2.agentic.jsonout import JSONStats
 from openk2.agentic.tools import (
     Tool,
@@ -141,3 +142,19 @@ def test_copied_answer_template_is_not_a_domain():
     stats = JSONStats()
     assert asyncio.run(evolve_domains(Parrot(), "travel", 2, stats=stats, max_attempts=2)) == []
     assert stats.failures == {"invalid": 2}
+
+
+def test_tools_schema_patterns_hold_what_tool_problems_checks():
+    """The grammar's string patterns admit only descriptions `tool_problems` accepts (3+ words; a parameter
+    description that is not blank)."""
+    tool = tools_schema(2)["properties"]["tools"]["items"]["properties"]
+    sentence = tool["description"]["pattern"]
+    param = tool["parameters"]["properties"]["properties"]["additionalProperties"]["properties"]["description"]
+    for text, ok in (("Look up an order by id.", True), ("Too short", False), ("two  spaces here", False),
+                     (" Leading space is out", False), ("x " * 30 + "end", False)):
+        assert bool(re.search(sentence, text)) is ok, text
+    assert re.search(param["pattern"], "the order id") and not re.search(param["pattern"], "   ")
+    record = {"name": "get_order", "description": "Look up an order by id.", "returns": {"type": "object"},
+              "parameters": {"type": "object", "properties": {"order_id": {"type": "string",
+                                                                           "description": "the order id"}}}}
+    assert tool_problems(record) == []

@@ -271,3 +271,27 @@ def test_achat_outside_the_batch_path_returns_what_chat_returns(tiny):
         replies = asyncio.run(tiny.achat(MSGS, **sampling))
         assert all(isinstance(r, ChatResponse) for r in replies)
         assert [r.content for r in replies] == [r.content for r in tiny.chat(MSGS, **sampling)]
+
+
+def test_shared_prefix_batch_equals_plain_batch_and_sequential(tiny):
+    """Greedy rows prefilled through a shared prompt head (openk2.llm.hf_prefix) decode exactly what the plain
+    left-padded batch and one-at-a-time calls decode, for free text and forced calls alike."""
+    head = {"role": "system", "content": "You are a careful assistant for a shop; answer briefly. " * 3}
+    convos = [[head, {"role": "user", "content": u}] for u in ("hi", "where is my order 12?", "refund", "thanks!")]
+    convos.append([{"role": "user", "content": "no shared head here"}])
+    for extra in ({}, {"tools": TOOLS, "tool_choice": "required"}):
+        sampling = {"temperature": 0.0, "max_tokens": 12, **{k: v for k, v in extra.items() if k != "tools"}}
+        plans = [tiny._plan(c, extra.get("tools"), dict(sampling)) for c in convos]
+        before = tiny.prefix_stats["shared_tokens"]
+        tiny.min_shared_prefix = 16
+        shared = tiny._generate(plans)
+        assert tiny.prefix_stats["shared_tokens"] - before >= 3 * 100  # the head was prefilled once for 4 rows
+        tiny.min_shared_prefix = 0
+        plain = tiny._generate(plans)
+        tiny.min_shared_prefix = 16
+        alone = [tiny._generate([p])[0] for p in plans]
+        texts = [[(r[0].content, [c["function"]["arguments"] for c in r[0].tool_calls]) for r in rs]
+                 for rs in (shared, plain, alone)]
+        assert texts[0] == texts[1] == texts[2]
+        if not extra:
+            assert len({str(t) for t in texts[0]}) > 1  # rows differ: no row copied another's

@@ -108,19 +108,23 @@ _TOOL_EXAMPLE = {
 
 
 _PARAM_TYPES = ["string", "integer", "number", "boolean"]
+# What `tool_problems` checks, held by the grammar too (llguidance takes a pattern or a length bound, not both):
+# a tool description of 3 to 24 words, a parameter description that starts with a letter.
+_SENTENCE = "^[A-Za-z][^ ]{0,24}( [^ ]{1,24}){2,23}$"
+_PARAM_TEXT = "^[A-Za-z][^\\n]{2,79}$"
 
 
 def tools_schema(num_tools: int) -> dict:
     """The JSON schema of a tools reply: each tool a snake_case name, a description, parameters (typed,
     described, each flagged required or not) and a return object."""
     param = {"type": "object", "properties": {"type": {"enum": _PARAM_TYPES},
-                                              "description": {"type": "string", "minLength": 3, "maxLength": 80},
+                                              "description": {"type": "string", "pattern": _PARAM_TEXT},
                                               "required": {"type": "boolean"}},
              "required": ["type", "description", "required"]}
     field_ = {"type": "object", "properties": {"type": {"enum": _PARAM_TYPES}}, "required": ["type"]}
     tool = {"type": "object", "properties": {
         "name": {"type": "string", "pattern": "^[a-z][a-z0-9_]{2,40}$"},
-        "description": {"type": "string", "minLength": 12, "maxLength": 160},
+        "description": {"type": "string", "pattern": _SENTENCE},
         "parameters": {"type": "object", "properties": {
             "type": {"const": "object"},
             "properties": {"type": "object", "additionalProperties": param}}, "required": ["type", "properties"]},

@@ -120,6 +120,7 @@ class SynthPipeline:
         self.stage_seconds: dict[str, float] = {}  # wall time of each stage in this run
         self.stage_done: dict[str, int] = {}  # items each stage finished in this run
         self.usage = {role: Counter() for role in ROLES}  # model calls and completion tokens per role
+        self.prompt_tokens: Counter = Counter()  # prompt tokens of loaded hf models; shared: prefilled once
 
     def _check_config(self) -> None:
         """Refuse to resume a run directory made with a different config (its stored work would not match)."""
@@ -209,6 +210,8 @@ class SynthPipeline:
         for server in servers:
             server.close()
         for model in self._loaded:
+            for key, n in getattr(model, "prefix_stats", {}).items():  # hf: prompt tokens, those prefilled once
+                self.prompt_tokens[key] += n
             model.close()
         self._loaded = []
 
@@ -355,7 +358,9 @@ class SynthPipeline:
                                          max_attempts=self.cfg.run.json_attempts, **self.sampling("tool_simulator"))
                 traj = await run_episode(traj_id, agent, task, tools, models["agent"], user, tool_sim, persona,
                                          max_user_turns=sim.max_user_turns, max_agent_steps=sim.max_agent_steps,
-                                         agent_tool_choice=sim.agent_tool_choice, **self.sampling("agent"))
+                                         agent_tool_choice=sim.agent_tool_choice,
+                                         call_max_tokens=self.cfg.models.call_max_tokens or None,
+                                         **self.sampling("agent"))
                 record = traj.to_dict()
                 trajectories.append(record)
             judgement = await judge_trajectory(models["judge"], task, Trajectory.from_dict(record),
@@ -401,7 +406,7 @@ class SynthPipeline:
                  "tasks": len(tasks), "trajectories": len(trajectories),
                  "acceptance": acceptance.as_dict(), "tool_outcomes": dict(outcomes.most_common()),
                  "structured_output_this_run": {r: s.as_dict() for r, s in self.json_stats.items() if s.requests},
-                 "seconds_this_run": round(seconds, 1)}
+                 "seconds_this_run": round(seconds, 1), "prompt_tokens_this_run": dict(self.prompt_tokens)}
         stages = stage_stats(self.out, self.cfg, seconds=dict(self.stage_seconds), done=dict(self.stage_done),
                              usage={r: dict(u) for r, u in self.usage.items() if u},
                              structured=stats["structured_output_this_run"], counts=dict(self.stage_counts),

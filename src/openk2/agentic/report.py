@@ -82,7 +82,8 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
             notes.append(f"{st.get('duplicate_instructions', 0)} duplicate instructions")
         if name == "trajectories":
             notes.append(f"tool-call validity {_pct(st.get('tool_call_validity'))} of {st.get('tool_calls')} calls; "
-                         f"{st.get('with_tool_calls')} with calls; ends {st.get('end_reasons')}")
+                         f"{st.get('with_tool_calls')} with calls; results from {st.get('result_sources')}; "
+                         f"ends {st.get('end_reasons')}")
         lines.append(f"| {name} | {asked} | {kept} | {_pct(st.get('acceptance_rate'))} | {'; '.join(notes)} |")
     lines += ["", "## Rejection reasons", ""]
     for name in (n for n in _ORDER if n in stages):

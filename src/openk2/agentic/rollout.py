@@ -57,8 +57,10 @@ class Trajectory:
 
 async def run_episode(trajectory_id: str, agent: Agent, task: Task, tools: list[Tool], agent_model: ChatModel,
                       user: UserSimulator, tool_sim: ToolSimulator, persona: Persona, *, max_user_turns: int = 3,
-                      max_agent_steps: int = 8, agent_tool_choice: str = "auto", **sampling: Any) -> Trajectory:
-    """Play one episode and return its trajectory."""
+                      max_agent_steps: int = 8, agent_tool_choice: str = "auto", call_max_tokens: int | None = None,
+                      **sampling: Any) -> Trajectory:
+    """Play one episode and return its trajectory; a turn forced to be a tool call gets `call_max_tokens`
+    (default: `sampling`'s max_tokens), since a call's JSON needs fewer tokens than a free answer."""
     if agent_tool_choice not in AGENT_TOOL_CHOICES:
         raise ValueError(f"agent_tool_choice must be one of {AGENT_TOOL_CHOICES}, got {agent_tool_choice!r}")
     specs = [t.to_openai() for t in tools]
@@ -69,7 +71,9 @@ async def run_episode(trajectory_id: str, agent: Agent, task: Task, tools: list[
     while agent_steps < max_agent_steps:
         agent_steps += 1
         try:
-            choice = _tool_choice(agent_tool_choice, task, messages, agent_steps, bool(specs))
+            choice: dict[str, Any] = _tool_choice(agent_tool_choice, task, messages, agent_steps, bool(specs))
+            if choice and call_max_tokens:
+                choice["max_tokens"] = call_max_tokens
             reply = (await agent_model.achat(messages, tools=specs, **{**sampling, **choice}))[0]
         except Exception as err:  # noqa: BLE001 - one failed episode must not stop the run
             if is_transport_error(err):  # the endpoint is down: no episode, it stays pending

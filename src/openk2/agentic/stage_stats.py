@@ -18,6 +18,20 @@ from typing import Any
 from openk2.agentic.store import JsonlStore
 
 INVALID_CALL_OUTCOMES = ("unknown_tool", "invalid_arguments")
+NOT_CALL_OUTCOMES = ("simulator_fallback", "phrasing_rejected")  # counted per call, but not calls themselves
+_SOURCES = {"real": "real_server", "real_error": "real_server", "code_ran": "sandbox", "code_failed": "sandbox",
+            "tests_passed": "sandbox", "tests_failed": "sandbox", "timeout": "injected_fault",
+            "rate_limited": "injected_fault", "unknown_tool": "rejected_call", "invalid_arguments": "rejected_call"}
+
+
+def result_sources(outcomes: dict[str, int]) -> dict[str, int]:
+    """Tool calls by what produced their result: the seeded world (ok, partial, edge cases, not_found, ...), a real
+    MCP server, the sandbox, an injected timeout or rate limit, or a rejection of the call itself."""
+    got: Counter = Counter()
+    for outcome, n in outcomes.items():
+        if outcome not in NOT_CALL_OUTCOMES:
+            got[_SOURCES.get(outcome, "world")] += n
+    return dict(got.most_common())
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"|\b\d+(\.\d+)?\b")
 
 
@@ -85,7 +99,7 @@ def stage_stats(out: str | Path, cfg: Any, *, seconds: dict[str, float], done: d
     outcomes: Counter = Counter()
     for r in traj_recs:
         outcomes.update(r.get("outcomes", {}))
-    calls = sum(n for k, n in outcomes.items() if k not in ("simulator_fallback", "phrasing_rejected"))
+    calls = sum(n for k, n in outcomes.items() if k not in NOT_CALL_OUTCOMES)
     invalid = sum(outcomes.get(k, 0) for k in INVALID_CALL_OUTCOMES)
     with_calls = sum(any(m.get("tool_calls") for m in r["messages"]) for r in traj_recs)
     coding = _store(out, "coding.jsonl", "task_id")  # coding tasks ([coding]) play episodes too
@@ -95,6 +109,7 @@ def stage_stats(out: str | Path, cfg: Any, *, seconds: dict[str, float], done: d
                               "tool_calls": calls, "invalid_tool_calls": invalid,
                               "tool_call_validity": _rate(calls - invalid, calls),
                               "end_reasons": dict(Counter(r["end_reason"].split(":")[0] for r in traj_recs)),
+                              "result_sources": result_sources(outcomes),
                               "tool_outcomes": dict(outcomes.most_common())}
 
     judged = _store(out, "judged.jsonl", "trajectory_id")

@@ -35,6 +35,7 @@ class ModelsSection:
     agent_max_tokens: int = 0
     user_max_tokens: int = 0
     judge_max_tokens: int = 0
+    call_max_tokens: int = 0  # an agent turn decoded as a forced tool call (tool_choice "required"); 0: agent's
 
     def tokens_for(self, role: str) -> int:
         """The completion budget of `role`."""
@@ -107,7 +108,7 @@ class SynthConfig:
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key} must be >= 1, got {value}")
-        budgets = ("generator", "agent", "user", "judge")
+        budgets = ("generator", "agent", "user", "judge", "call")
         if any(getattr(self.models, f"{r}_max_tokens") < 0 for r in budgets):
             raise ValueError("models.<role>_max_tokens must be >= 0 (0: models.max_tokens)")
         if self.simulate.world_rows < 0 or self.coding.num_tasks < 0:

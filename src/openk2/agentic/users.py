@@ -57,11 +57,13 @@ class UserSimulator:
         self.sampling = sampling
 
     def _system(self) -> str:
-        return (f"You are role-playing a user of an AI assistant. Persona: {self.persona.name}; style: "
-                f"{self.persona.style}.\nYour goal: {self.goal}\nWrite only your next message to the assistant, in "
+        # What every episode shares comes first, then the task's goal, then the persona: concurrent episodes of
+        # one task then share the longest prompt head (prefilled once by batching backends).
+        return ("You are role-playing a user of an AI assistant. Write only your next message to the assistant, in "
                 "character, revealing details as a real user would. Answer as JSON: "
                 '{"message": "your next message", "done": false}. When the goal is achieved (or the assistant '
-                f'clearly cannot achieve it), set "done": true (in plain text: reply with exactly {END_TOKEN}).')
+                f'clearly cannot achieve it), set "done": true (in plain text: reply with exactly {END_TOKEN}).\n'
+                f"Your goal: {self.goal}\nPersona: {self.persona.name}; style: {self.persona.style}.")
 
     def _view(self, conversation: Sequence[dict]) -> list[dict]:
         """The dialogue with roles swapped (the simulator is the 'assistant' writing user turns)."""

@@ -209,6 +209,17 @@ class _Plan:
         return (self.temperature <= 0, self.temperature, self.top_p, self.top_k)
 
 
+def pick_batch(queue: Sequence[tuple[_Plan, Any]], size: int) -> list[tuple[_Plan, Any]]:
+    """The next batch: the oldest request plus up to `size - 1` others with its sampling settings, those sharing
+    the longest prompt prefix with it first (so the batch's shared-prefix prefill saves the most)."""
+    from openk2.llm.hf_prefix import common_prefix
+
+    head = queue[0][0]
+    same = [item for item in queue[1:] if item[0].batch_key() == head.batch_key()]
+    same.sort(key=lambda item: -common_prefix(head.prompt, item[0].prompt))  # stable: oldest first among ties
+    return [queue[0], *same[: size - 1]]
+
+
 class HFChatModel(ChatModel):
     """A transformers causal LM: `source` is a model directory, a `.gguf` file, an alias (`smollm2`) or a
     `(model, tokenizer)` pair. `gguf_file` names a GGUF file inside a directory `source`."""
@@ -216,7 +227,7 @@ class HFChatModel(ChatModel):
     def __init__(self, source: str | Path | tuple[Any, Any], gguf_file: str | None = None, device: str = "cpu",
                  dtype: str | None = None, default_max_tokens: int = 256, trust_remote_code: bool = False,
                  strict_tool_calls: bool = True, max_string_length: int | None = 256,
-                 max_batch_size: int = 8) -> None:
+                 max_batch_size: int = 32, min_shared_prefix: int = 16) -> None:
 
         if isinstance(source, tuple):
             self.model, self.tokenizer = source
@@ -239,6 +250,8 @@ class HFChatModel(ChatModel):
         self.max_string_length = max_string_length
         self._template_sees_tools: bool | None = None
         self.max_batch_size = max_batch_size  # concurrent `achat` calls batched into one generate
+        self.min_shared_prefix = min_shared_prefix  # 0: no shared-prefix prefill (openk2.llm.hf_prefix)
+        self.prefix_stats = {"prompt_tokens": 0, "shared_tokens": 0}  # prompt tokens in, and not prefilled again
         self._queues: dict[int, list] = {}  # per event loop: (plan, future) waiting for a batch
         self._runners: dict[int, asyncio.Task] = {}
 
@@ -309,8 +322,7 @@ class HFChatModel(ChatModel):
     async def _drain(self, queue: list) -> None:
         while queue:
             await asyncio.sleep(0)  # let the callers scheduled with this one queue up too
-            key = queue[0][0].batch_key()
-            batch = [item for item in queue if item[0].batch_key() == key][: self.max_batch_size]
+            batch = pick_batch(queue, self.max_batch_size)
             for item in batch:
                 queue.remove(item)
             try:
@@ -330,16 +342,27 @@ class HFChatModel(ChatModel):
         from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
         from openk2.llm.hf_grammar import GrammarLogits, row_grammars
+        from openk2.llm.hf_prefix import plan_prefixes, prefill
 
         first = plans[0]
         greedy = first.temperature <= 0
         n = first.n if len(plans) == 1 else 1
         copies = 1 if greedy else n  # rows per plan
-        plen = max(len(p.prompt) for p in plans)
-        ids = [[self.pad_id] * (plen - len(p.prompt)) + list(p.prompt) for p in plans]  # left padding
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        attention = torch.tensor([[0] * (plen - len(p.prompt)) + [1] * len(p.prompt) for p in plans],
-                                 dtype=torch.long, device=self.device)
+        prompts = [p.prompt for p in plans]
+        shared = plan_prefixes(prompts, self.min_shared_prefix) if copies == 1 and self.min_shared_prefix else None
+        cache = None
+        if shared is not None and shared.group_len:
+            with self._lock, torch.no_grad():
+                input_ids, attention, cache = prefill(self.model, prompts, shared, self.pad_id, self.device)
+            self.prefix_stats["shared_tokens"] += shared.shared_tokens
+        else:
+            width = max(len(p) for p in prompts)
+            input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts],  # left padding
+                                     dtype=torch.long, device=self.device)
+            attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long,
+                                     device=self.device)
+        self.prefix_stats["prompt_tokens"] += sum(len(p) for p in prompts)
+        plen = int(input_ids.shape[1])
         max_new = max(p.max_tokens for p in plans)
         gen: dict[str, Any] = {"max_new_tokens": max_new, "do_sample": not greedy, "num_return_sequences": copies,
                                "pad_token_id": self.pad_id, "eos_token_id": self.eos_ids or None}
@@ -377,6 +400,8 @@ class HFChatModel(ChatModel):
             if first.seed is not None:
                 torch.manual_seed(int(first.seed))
             with torch.no_grad():
+                if cache is not None:
+                    gen["cache"] = cache
                 out = self.model.generate(input_ids=input_ids, attention_mask=attention, **gen)
         rows = out[:, plen:].tolist()
         return [self._responses(p, rows[k * copies:(k + 1) * copies] * (n if greedy else 1), len(p.prompt), greedy)

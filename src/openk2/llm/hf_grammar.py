@@ -110,13 +110,18 @@ class RowGrammar:
         self.matcher, self.finisher = matcher, finisher
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled(key: int, tokenizer: Any, lark: str) -> Any:
+    """A fresh matcher for `lark`, compiled once per (tokenizer, grammar); callers use `deep_copy`s of it."""
+    import llguidance
+
+    return llguidance.LLMatcher(hf_lltokenizer(tokenizer), llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+
+
 def row_grammars(tokenizer: Any, lark: str, rows: int, max_tokens: int, reserve: int,
                  end_ids: Sequence[int]) -> list[RowGrammar]:
     """`rows` fresh grammar states for `lark`; ValueError (one line) if it does not compile."""
-    import llguidance
-
-    lt = hf_lltokenizer(tokenizer)
-    template = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+    template = _compiled(id(tokenizer), tokenizer, lark)
     if template.is_error():
         raise ValueError(f"grammar does not compile: {template.get_error().splitlines()[0]}")
     tokens, specials = _vocab(tokenizer)
