@@ -1,7 +1,8 @@
 """The acceptance report of a synthesis run: `report.md` plus two plots, from `stages.json` (`stage_stats`).
 
 `funnel.png` shows how many items each stage asked for and kept; `rejections.png` the most common rejection
-reasons of every stage and the tool simulator's outcomes. Written with matplotlib's file-only backend.
+reasons of every stage (for trajectories: simulated-user replies rejected by `user_check`) and the tool
+simulator's outcomes. Written with matplotlib's file-only backend.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
         if name == "tasks":
             notes.append(f"{st.get('duplicate_instructions', 0)} duplicate instructions")
         if name == "trajectories":
+            notes.append(f"user-simulator replies rejected {st.get('user_turns_rejected', 0)} (episodes ended by it: "
+                         f"{st.get('end_reasons', {}).get('user_rejected', 0)})")
             notes.append(f"tool-call validity {_pct(st.get('tool_call_validity'))} of {st.get('tool_calls')} calls; "
                          f"{st.get('with_tool_calls')} with calls; results from {st.get('result_sources')}; "
                          f"ends {st.get('end_reasons')}")

@@ -2,11 +2,14 @@
 
 The user simulator opens with a request; the agent (any ChatModel, a strong remote model in real use) answers
 or calls tools, which the tool simulator executes; after each final answer the user may follow up or end.
-The episode stops when the user ends it, after `max_user_turns` user messages, or after `max_agent_steps`
-agent replies in total. The result is a `Trajectory`: OpenAI messages, the tools offered, how the episode
-ended, and `state`, the simulator's record: the world's final tables, what was created, changed and deleted,
-the call log, and for coding episodes every sandboxed run (`ToolSimulator.record`). A transport failure of any
-model (`openk2.llm.transport`) is not an ending: it is raised, and the episode is not recorded.
+The episode stops when the user ends it, after `max_user_turns` user messages, after `max_agent_steps` agent
+replies in total, or when a user turn used up its attempts (`user_rejected: REASON`: every reply of the user
+simulator passes `user_check` first; an episode whose opening was never accepted has no dialogue). The result
+is a `Trajectory`: OpenAI messages, the tools offered, how the episode ended, why user-simulator replies were
+rejected (`user_rejections`), and `state`, the simulator's record: the world's final tables, what was created,
+changed and deleted, the call log, and for coding episodes every sandboxed run (`ToolSimulator.record`). A
+transport failure of any model (`openk2.llm.transport`) is not an ending: it is raised, and the episode is not
+recorded.
 
 `agent_tool_choice` decides how the agent's turns are decoded when the task expects tools: "auto" (the model
 chooses), "required_first" (the first agent turn must call a declared tool, later turns "auto") or "required"
@@ -38,9 +41,10 @@ class Trajectory:
     messages: list[dict]
     tools: list[dict]
     persona: dict
-    end_reason: str  # user_done | max_user_turns | max_agent_steps | agent_error
+    end_reason: str  # user_done | max_user_turns | max_agent_steps | agent_error: ... | user_rejected: ...
     state: dict = field(default_factory=dict)
     outcomes: dict = field(default_factory=dict)
+    user_rejections: list[str] = field(default_factory=list)  # why each rejected user-simulator reply was rejected
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,8 +69,13 @@ async def run_episode(trajectory_id: str, agent: Agent, task: Task, tools: list[
         raise ValueError(f"agent_tool_choice must be one of {AGENT_TOOL_CHOICES}, got {agent_tool_choice!r}")
     specs = [t.to_openai() for t in tools]
     messages: list[dict] = [{"role": "system", "content": agent.system_prompt}]
-    first = await user.next_message(messages[1:])
-    messages.append({"role": "user", "content": first or task.instruction})
+    rejections: list[str] = []
+    first = await user.next_turn(messages[1:])
+    rejections += first.rejections
+    if first.message is None:  # every opening the simulator wrote was rejected: no dialogue to play
+        return _trajectory(trajectory_id, task, agent, messages, specs, persona, _gave_up(first.gave_up),
+                           tool_sim, rejections)
+    messages.append({"role": "user", "content": first.message})
     user_turns, agent_steps, end_reason = 1, 0, "max_agent_steps"
     while agent_steps < max_agent_steps:
         agent_steps += 1
@@ -90,15 +99,26 @@ async def run_episode(trajectory_id: str, agent: Agent, task: Task, tools: list[
         if user_turns >= max_user_turns:
             end_reason = "max_user_turns"
             break
-        follow_up = await user.next_message(messages[1:])
-        if follow_up is None:
-            end_reason = "user_done"
+        follow_up = await user.next_turn(messages[1:])
+        rejections += follow_up.rejections
+        if follow_up.message is None:
+            end_reason = "user_done" if follow_up.gave_up is None else _gave_up(follow_up.gave_up)
             break
-        messages.append({"role": "user", "content": follow_up})
+        messages.append({"role": "user", "content": follow_up.message})
         user_turns += 1
+    return _trajectory(trajectory_id, task, agent, messages, specs, persona, end_reason, tool_sim, rejections)
+
+
+def _gave_up(reason: str | None) -> str:
+    """The end reason of an episode whose user turn used up its attempts."""
+    return f"user_rejected: {reason}"[:200]
+
+
+def _trajectory(trajectory_id: str, task: Task, agent: Agent, messages: list[dict], specs: list[dict],
+                persona: Persona, end_reason: str, tool_sim: ToolSimulator, rejections: list[str]) -> Trajectory:
     return Trajectory(trajectory_id=trajectory_id, task_id=task.task_id, agent_id=agent.agent_id,
                       messages=messages, tools=specs, persona=persona.to_dict(), end_reason=end_reason,
-                      state=tool_sim.record(), outcomes=dict(tool_sim.outcomes))
+                      state=tool_sim.record(), outcomes=dict(tool_sim.outcomes), user_rejections=rejections)
 
 
 def _tool_choice(mode: str, task: Task, messages: list[dict], step: int, have_tools: bool) -> dict[str, str]:

@@ -4,8 +4,10 @@ For domains, tools, agents, tasks, trajectories and judged: how many were asked 
 (the acceptance rate), why the rest were rejected (reasons bucketed by their wording, quoted values and numbers
 elided), how many tools dedup dropped, how many tool calls were valid (the tool simulator's outcomes: a call to
 an unknown tool or with arguments that fail the schema is invalid; timeouts and other injected faults are valid
-calls), and the throughput of this run (items and completion tokens per second, per stage and role). Counts come
-from the stores, so a resumed run reports the whole run; seconds and tokens are this process's.
+calls), how many simulated-user replies `user_check` rejected and why (an episode whose user turn used up its
+attempts ends `user_rejected`), and the throughput of this run (items and completion tokens per second, per
+stage and role). Counts come from the stores, so a resumed run reports the whole run; seconds and tokens are
+this process's.
 """
 
 from __future__ import annotations
@@ -104,8 +106,11 @@ def stage_stats(out: str | Path, cfg: Any, *, seconds: dict[str, float], done: d
     with_calls = sum(any(m.get("tool_calls") for m in r["messages"]) for r in traj_recs)
     coding = _store(out, "coding.jsonl", "task_id")  # coding tasks ([coding]) play episodes too
     asked = (len(tasks) + len(coding)) * cfg.simulate.trajectories_per_task
+    user_rejections = Counter(f"user turn: {reason_bucket(x)}" for r in traj_recs for x in r.get("user_rejections", []))
     stages["trajectories"] = {"asked": asked, "produced": len(traj_recs),
-                              "acceptance_rate": _rate(len(traj_recs), asked), "with_tool_calls": with_calls,
+                              "acceptance_rate": _rate(len(traj_recs), asked),
+                              "user_turns_rejected": sum(user_rejections.values()),
+                              "rejections": dict(user_rejections.most_common()), "with_tool_calls": with_calls,
                               "tool_calls": calls, "invalid_tool_calls": invalid,
                               "tool_call_validity": _rate(calls - invalid, calls),
                               "end_reasons": dict(Counter(r["end_reason"].split(":")[0] for r in traj_recs)),
