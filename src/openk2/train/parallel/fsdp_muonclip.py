@@ -20,7 +20,6 @@ so the optimizer state lives on the local rows only (1/dp of it per rank):
 
 from __future__ import annotations
 
-import copy
 from collections import defaultdict
 from typing import Any
 
@@ -37,10 +36,9 @@ from openk2.train.dcp import Block
 from openk2.train.dcp_state import EXP_AVG, EXP_AVG_SQ, MODEL, MOMENTUM, STEP, Entries
 from openk2.train.parallel import comm_clock
 from openk2.train.parallel.fsdp import shard_rows
+from openk2.train.parallel.mixed import QK_PROJECTIONS, qk_stand_in
 from openk2.train.parallel.owners import assign_owners
 from openk2.train.parallel.zero import agree_ns_kernel
-
-_PROJECTIONS = ("q_proj", "q_b_proj", "kv_b_proj", "k_proj")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -227,9 +225,9 @@ class FSDPMuonClip:
         for index, layer in enumerate(self.model.attention_layers()):
             if not (max_logits[index] > self.tau).any():
                 continue
-            probe = _row_probe(layer)
+            probe = qk_stand_in(layer, _row_shape)
             QKClip(attention_layers=[probe], tau=self.tau).apply(max_logits[index][None].float(), reduce=False)
-            for name in _PROJECTIONS:
+            for name in QK_PROJECTIONS:
                 real, fake = layer._modules.get(name), probe._modules.get(name)
                 if real is None:
                     continue
@@ -251,21 +249,9 @@ class FSDPMuonClip:
         return sum(t.numel() * t.element_size() for t in self.state_tensors()["optimizer"])
 
 
-def _row_probe(layer: nn.Module) -> nn.Module:
-    """A shallow copy of an attention layer whose q/k projections hold ones of shape [rows, 1] ([rows] for
-    biases): QKClip's row scaling applied to it leaves each row's factor."""
-    probe = copy.copy(layer)
-    probe.__dict__["_modules"] = dict(layer._modules)
-    for name in _PROJECTIONS:
-        proj = layer._modules.get(name)
-        if proj is None:
-            continue
-        fake = copy.copy(proj)
-        fake.__dict__["_parameters"] = {k: None if v is None else torch.ones((v.shape[0], 1) if v.ndim == 2 else
-                                                                              (v.shape[0],))
-                                        for k, v in proj._parameters.items()}
-        probe.__dict__["_modules"][name] = fake
-    return probe
+def _row_shape(param: torch.Tensor) -> tuple[int, ...]:
+    # one factor per row: [rows, 1] for a weight, [rows] for a bias
+    return (param.shape[0], 1) if param.ndim == 2 else (param.shape[0],)
 
 
 def build_fsdp_optimizer(model: nn.Module, group: dist.ProcessGroup, muonclip_kwargs: dict[str, Any]) -> FSDPMuonClip:

@@ -13,6 +13,7 @@ fp32 gradient accumulation"), the pieces DistributedMuonClip uses when `parallel
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from torch import nn
 from openk2.optim.qk_clip import QKClip
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_PROJECTIONS = ("q_proj", "q_b_proj", "kv_b_proj", "k_proj")
+QK_PROJECTIONS = ("q_proj", "q_b_proj", "kv_b_proj", "k_proj")  # the weights QK-Clip rescales
 
 
 def grad_of(p: nn.Parameter) -> torch.Tensor | None:
@@ -48,16 +49,18 @@ def clear_fp32_grads(params: list[nn.Parameter]) -> None:
             p.main_grad = None
 
 
-def _stand_in(layer: nn.Module) -> nn.Module:
-    """A shallow copy of an attention layer whose query/key projections hold fp32 ones of the same shapes."""
+def qk_stand_in(layer: nn.Module, shape_of: Callable[[torch.Tensor], tuple[int, ...]] | None = None) -> nn.Module:
+    """A shallow copy of an attention layer whose query/key projections hold fp32 ones, each of its parameter's
+    shape or `shape_of(parameter)` (FSDP2: [rows, 1]): QKClip's rescaling applied to it leaves the factors."""
     probe = copy.copy(layer)
     probe.__dict__["_modules"] = dict(layer._modules)
-    for name in _PROJECTIONS:
+    for name in QK_PROJECTIONS:
         proj = layer._modules.get(name)
         if proj is None:
             continue
         fake = copy.copy(proj)
-        fake.__dict__["_parameters"] = {k: None if v is None else torch.ones(v.shape, device=v.device)
+        fake.__dict__["_parameters"] = {k: None if v is None else
+                                        torch.ones(v.shape if shape_of is None else shape_of(v), device=v.device)
                                         for k, v in proj._parameters.items()}
         probe.__dict__["_modules"][name] = fake
     return probe
@@ -71,9 +74,9 @@ def clip_factors(layers: dict[int, nn.Module], max_logits: torch.Tensor, tau: fl
     for index, layer in layers.items():
         if not (max_logits[index] > tau).any():
             continue
-        probe = _stand_in(layer)
+        probe = qk_stand_in(layer)
         QKClip(attention_layers=[probe], tau=tau).apply(max_logits[index][None].float(), reduce=False)
-        for name in _PROJECTIONS:
+        for name in QK_PROJECTIONS:
             real, fake = layer._modules.get(name), probe._modules.get(name)
             if real is None:
                 continue
