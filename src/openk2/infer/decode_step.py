@@ -111,13 +111,7 @@ def _mlp(mlp: MLP, x_BD: torch.Tensor) -> torch.Tensor:
 
 def _moe(moe: MoE, x_BD: torch.Tensor, trace: RoutingTrace | None) -> torch.Tensor:
     # MoE.forward for [B, 1, D] input, in eval mode (no aux loss) and without a stats collector.
-    if trace is None:
-        routing = moe.gate(x_BD)
-    else:
-        routing = moe.gate(x_BD, trace.replay_for(moe.layer_idx, x_BD.shape[0], x_BD.device))
-        chosen = routing.indices_NK if routing.chosen_NK is None else routing.chosen_NK
-        trace.record(moe.layer_idx, routing.indices_NK, chosen)
-    routed, _ = moe.experts(x_BD, routing)
+    routed, _ = moe.experts(x_BD, moe.route(x_BD, trace))
     return routed.to(x_BD.dtype) + _mlp(moe.shared_experts, x_BD)
 
 

@@ -151,18 +151,22 @@ class MoE(nn.Module):
         self.aux_loss_alpha = cfg.aux_loss_alpha
         self.top_k = cfg.num_experts_per_tok
 
+    def route(self, x_ND: torch.Tensor, trace: RoutingTrace | None = None) -> Routing:
+        """The router's choice for N tokens; with a `trace`, replaying its imposed experts and recording both."""
+        if trace is None:
+            return self.gate(x_ND)
+        routing = self.gate(x_ND, trace.replay_for(self.layer_idx, x_ND.shape[0], x_ND.device))
+        chosen = routing.indices_NK if routing.chosen_NK is None else routing.chosen_NK
+        trace.record(self.layer_idx, routing.indices_NK, chosen)
+        return routing
+
     def forward(self, x_BTD: torch.Tensor, stats: ForwardStats | None = None,
                 trace: RoutingTrace | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]; `stats` receives this call's tokens per expert and balance loss, `trace`
         (a caller's RoutingTrace) records the experts chosen and may replay given ones."""
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(-1, d)
-        if trace is None:
-            routing = self.gate(x_ND)
-        else:
-            routing = self.gate(x_ND, trace.replay_for(self.layer_idx, x_ND.shape[0], x_ND.device))
-            chosen = routing.indices_NK if routing.chosen_NK is None else routing.chosen_NK
-            trace.record(self.layer_idx, routing.indices_NK, chosen)
+        routing = self.route(x_ND, trace)
         routed, counts_E = self.experts(x_ND, routing)
         # Computed whenever it applies, recorded or not: a recomputation's replay (stats=None) must run the
         # forward's ops exactly.
