@@ -8,8 +8,17 @@ each rank many times slower; one thread also keeps the suite's time steady when 
 
 import os
 
+import pytest
+
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_after_each_test():
+    """Trainers set `train.threads` for the whole process; the next test starts with the suite's one thread."""
+    yield
+    torch.set_num_threads(1)

@@ -25,14 +25,6 @@ from openk2.rl.ckpt_engine import (
 BUCKET = 96 << 10  # small buckets: many of them, so the double-buffered pipeline really alternates
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # One intra-op thread: on a shared 2-core machine two threads per process oversubscribe the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -41,12 +41,6 @@ eval_problems = 6
 {extra}"""
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
 
 def _config(tmp_path, extra="", overrides=()):
     path = tmp_path / "critic.toml"

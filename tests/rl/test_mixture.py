@@ -4,7 +4,6 @@ metrics in one micro `openk2 rl` run."""
 import collections
 
 import pytest
-import torch
 
 from openk2.rl.config import EnvSection, load_rl_config
 from openk2.rl.mixture import build_mixture, choose_env
@@ -29,12 +28,6 @@ difficulties = [1]
 eval_problems = 4
 """
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def _two_env_config(tmp_path, extra=()):

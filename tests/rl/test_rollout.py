@@ -11,15 +11,6 @@ from openk2.rl.rollout import Group, PartialRollout, new_group
 from openk2.rl.tasks import Problem
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # One intra-op thread: on a shared 2-core machine two threads oversubscribe the cores (10x slower here).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model(seed: int = 0) -> K2ForCausalLM:
     torch.manual_seed(seed)
     cfg = ModelConfig.preset("tiny").replace(vocab_size=300, hidden_size=64, intermediate_size=128,

@@ -26,12 +26,6 @@ MICRO = [  # the shipped config, shrunk to seconds
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)  # the trainer sets train.threads for the whole process
-
 
 def test_worked_solution_follows_precedence():
     assert worked_solution("3+5*2") == "5*2=10\n3+10=13\nAnswer: 13"
