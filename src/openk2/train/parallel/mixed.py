@@ -25,8 +25,16 @@ QK_PROJECTIONS = ("q_proj", "q_b_proj", "kv_b_proj", "k_proj")  # the weights QK
 
 
 def grad_of(p: nn.Parameter) -> torch.Tensor | None:
-    """The gradient the optimizer reduces: the fp32 `main_grad` under bf16 weights, else `.grad`."""
-    return getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
+    """The gradient the optimizer reduces: the fp32 `main_grad` under bf16 weights, else `.grad`.
+
+    A `.grad` still present under bf16 weights was written outside autograd's accumulation, where the hook does
+    not fire: torch's zero-bubble schedules add each micro-batch's weight gradient by hand (`grad += dw`). It is
+    folded in here (summed over those micro-batches in bf16, then in fp32) instead of being left out."""
+    if not hasattr(p, "main_grad"):
+        return p.grad
+    if p.grad is not None:
+        _accumulate(p)
+    return p.main_grad
 
 
 def _accumulate(p: nn.Parameter) -> None:
