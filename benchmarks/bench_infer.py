@@ -29,6 +29,11 @@ request's prefill time is stamped (ours: add_request + the first step, which yie
 for 1 new token) and its first greedy token compared. Request 1 pays the whole prompt; with prefix reuse the
 later ones compute only the blocks past the shared part. Median over `--repeats` rounds, a fresh engine each.
 
+`--decode-compile` adds a third system, our engine with `decode_compile=True` (infer/compiled_decode.py: the decode
+step as one inductor graph per batch bucket): its first call per prompt length is its warm-up, which compiles (the
+wall time of the compiling step is printed), its tokens are asserted equal to HF's too, and it joins the
+alternation (the order rotates by repeat).
+
 Usage: python benchmarks/bench_infer.py --preset tiny --batch-size 8 --prompt-lens 64,256,1024 --new-tokens 32
 """
 
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fast-decode", action=argparse.BooleanOptionalAction, default=True,
                         help="the engine's fused one-token decode step (infer/decode_step.py); --no-fast-decode "
                         "runs every step through the model's modules")
+    parser.add_argument("--decode-compile", action="store_true",
+                        help="also time Engine(decode_compile=True) (one compiled graph per batch bucket)")
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2 (decode is timed from token 1 to token N)")
@@ -172,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(ours, max_batch_size=args.batch_size, max_seq_len=plen + args.new_tokens, prefix_caching=False,
                         fast_decode=args.fast_decode)
         engine_cache_bpt = engine.cache.bytes_per_token
+        compiled = Engine(ours, max_batch_size=args.batch_size, max_seq_len=plen + args.new_tokens,
+                          prefix_caching=False, decode_compile=True) if args.decode_compile else None
 
         def run_ours(engine=engine, prompts=prompts) -> tuple[list[list[int]], list[tuple[float, float]]]:
             stamps = [stamp()]
@@ -202,23 +211,35 @@ def main(argv: list[str] | None = None) -> None:
         assert ours_tokens == hf_tokens, f"greedy tokens differ at prompt length {plen}: {same}/{len(prompts)} same"
         hf_cache_bpt = hf_cache_bytes_per_token(hf_out.past_key_values, args.batch_size * (plen + args.new_tokens - 1))
 
-        figures: dict[str, list[dict[str, float]]] = {"ours": [], "hf": []}
         calls = {"ours": lambda: run_ours()[1], "hf": lambda: run_hf()[1]}
+        row: dict = {"plen": plen}
+        if compiled is not None:
+            start = time.perf_counter()
+            compiled_tokens, _ = run_ours(compiled)
+            row["compile_s"] = max(compiled.decode_compile_seconds.values())
+            print(f"\n[prompt {plen}] compiled decode: first call {time.perf_counter() - start:.1f} s, its "
+                  f"compiling step {row['compile_s']:.1f} s (buckets {sorted(compiled.decode_compile_seconds)})")
+            assert compiled_tokens == hf_tokens, f"compiled decode's greedy tokens differ at prompt length {plen}"
+            calls["compiled"] = lambda compiled=compiled: run_ours(compiled)[1]
+        names = list(calls)
+        figures: dict[str, list[dict[str, float]]] = {who: [] for who in names}
         for rep in range(args.repeats + 1):
-            for who in (("ours", "hf") if rep % 2 == 0 else ("hf", "ours")):
+            for i in range(len(names)):
+                who = names[(i + rep) % len(names)]  # the order rotates by repeat
                 stamps = calls[who]()
                 if rep:  # round 0 warms up
                     figures[who].append(rates(stamps, args.batch_size))
-        row: dict = {"plen": plen}
-        for who in ("ours", "hf"):
+        for who in names:
             for key in figures[who][0]:
                 row[(who, key)] = statistics.median(f[key] for f in figures[who])
         for clock in CLOCKS:
             for kind in ("decode", "e2e"):
-                row[("ratio", f"{clock}_{kind}")] = row[("ours", f"{clock}_{kind}")] / row[("hf", f"{clock}_{kind}")]
+                for who, tag in (("ours", "ratio"), ("compiled", "cratio")):
+                    if who in calls:
+                        row[(tag, f"{clock}_{kind}")] = row[(who, f"{clock}_{kind}")] / row[("hf", f"{clock}_{kind}")]
         rows.append(row)
         print(f"\n[prompt {plen}] greedy tokens identical for {same}/{len(prompts)} prompts")
-        for who in ("ours", "hf"):
+        for who in names:
             spread = ", ".join(f"{f['wall_decode']:,.0f}" for f in figures[who])
             print(f"[prompt {plen}] {who:4s}: decode tok/s (wall) {spread} | median prefill "
                   f"{row[(who, 'wall_prefill_s')]:.3f} s | decode {row[(who, 'wall_decode')]:,.0f} tok/s wall, "
@@ -226,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[prompt {plen}] ours/HF: decode {row[('ratio', 'wall_decode')]:.2f}x wall, "
               f"{row[('ratio', 'cpu_decode')]:.2f}x CPU | end-to-end {row[('ratio', 'wall_e2e')]:.2f}x wall, "
               f"{row[('ratio', 'cpu_e2e')]:.2f}x CPU")
+        if compiled is not None:
+            print(f"[prompt {plen}] compiled/HF: decode {row[('cratio', 'wall_decode')]:.2f}x wall, "
+                  f"{row[('cratio', 'cpu_decode')]:.2f}x CPU | end-to-end {row[('cratio', 'wall_e2e')]:.2f}x wall")
 
     prefix_rows = shared_prefix(ours, hf, cfg, args.shared_prefix, args.repeats, gen) if args.shared_prefix else []
     if args.step_ab:
@@ -255,6 +279,16 @@ def main(argv: list[str] | None = None) -> None:
               f"{r[('ratio', 'wall_decode')]:.2f}x | {r[('ratio', 'cpu_decode')]:.2f}x | "
               f"{r[('ours', 'wall_prefill_s')]:.3f} | {r[('hf', 'wall_prefill_s')]:.3f} | "
               f"{r[('ratio', 'wall_e2e')]:.2f}x |")
+
+    if args.decode_compile:
+        print("\n| prompt | ours eager decode tok/s | ours compiled | HF | eager/HF (wall / CPU) | "
+              "compiled/HF (wall / CPU) | compiling step s |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['plen']} | {r[('ours', 'wall_decode')]:,.0f} | {r[('compiled', 'wall_decode')]:,.0f} | "
+                  f"{r[('hf', 'wall_decode')]:,.0f} | {r[('ratio', 'wall_decode')]:.2f}x / "
+                  f"{r[('ratio', 'cpu_decode')]:.2f}x | {r[('cratio', 'wall_decode')]:.2f}x / "
+                  f"{r[('cratio', 'cpu_decode')]:.2f}x | {r['compile_s']:.1f} |")
 
     if prefix_rows:
         print(f"\nshared prefix of {args.shared_prefix} tokens + 24 own tokens, 8 requests one after another "

@@ -50,7 +50,7 @@ def test_fused_rms_norm_matches_the_module_bit_for_bit():
         with torch.no_grad():
             norm.weight.copy_(1 + 0.3 * torch.randn(d, generator=g))
             x = 3 * torch.randn(9, d, generator=g)
-            assert torch.equal(decode_step._rms(x, norm), norm(x)), d
+            assert torch.equal(decode_step.rms(x, norm), norm(x)), d
 
 
 @pytest.mark.parametrize("overrides", [{}, {"rope_interleave": False, "attention_bias": True},
@@ -106,3 +106,34 @@ def test_hooked_or_wrapped_models_take_the_module_path(monkeypatch):
     engine.generate(prompts_of([4], model.config.vocab_size), PARAMS)
     assert not calls
     assert not decode_step.supports(model)
+
+
+def test_the_layout_check_is_cached_until_something_changes(monkeypatch):
+    model = make_model()
+    engine = Engine(model, max_batch_size=2, max_seq_len=32)
+    checks = []
+    supports = decode_step.supports
+    monkeypatch.setattr(decode_step, "supports", lambda m: checks.append(1) or supports(m))
+    prompt = prompts_of([4], model.config.vocab_size)
+    engine.generate(prompt, PARAMS)
+    assert len(checks) == 1  # the first decode step; the later ones reuse its answer
+    handle = model.model.layers[1].mlp.register_forward_pre_hook(lambda *a: None)
+    handle.remove()  # registered and removed: the counter moved, so the tree is walked again (and still plain)
+    engine.generate(prompt, PARAMS)
+    assert len(checks) == 2 and engine._decode_step_applies()
+    calls = []
+    monkeypatch.setattr(decode_step, "decode_hidden", lambda *a, **k: calls.append(1) / 0)
+    seen = []
+
+    class Counting(torch.nn.Module):  # a swapped submodule (no hook registered): the module path must run it
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            seen.append(1)
+            return self.inner(x)
+
+    monkeypatch.setattr(model.model.layers[2], "mlp", Counting(model.model.layers[2].mlp))
+    engine.generate(prompt, PARAMS)
+    assert len(seen) == PARAMS.max_tokens and not calls

@@ -48,6 +48,9 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-inflight-work", type=work_limit, default=DEFAULT_MAX_INFLIGHT_WORK, metavar="TOKENS",
                    help="most n x max_tokens of all unfinished requests together; a request that would pass it "
                         f"gets 429, retry later (0 = no limit; default {DEFAULT_MAX_INFLIGHT_WORK})")
+    p.add_argument("--decode-compile", action="store_true",
+                   help="run decode steps as one torch.compile graph per batch bucket (1, 2, 4, 8, ...): faster "
+                        "steps, and each bucket's first step waits for its compile (about a minute on CPU)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--log-level", default="info")
@@ -64,7 +67,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                      max_inflight_work=args.max_inflight_work, reasoning_parser=args.reasoning_parser,
                      chat_template=args.chat_template, normalize_tool_call_ids=args.normalize_tool_call_ids,
                      strict_tool_calls=args.strict_tool_calls,
-                     grammar_max_string_length=args.grammar_max_string_length)
+                     grammar_max_string_length=args.grammar_max_string_length,
+                     decode_compile=args.decode_compile)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("serving on %s without an API key", args.host)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -32,7 +32,7 @@ from openk2.model.moe import MoE
 from openk2.model.routing import RoutingTrace
 from openk2.model.transformer import DecoderLayer
 
-__all__ = ["decode_hidden", "supports"]
+__all__ = ["attention", "decode_hidden", "mlp", "rms", "rope_tables", "supports"]
 
 
 def _plain(module: nn.Module) -> bool:
@@ -52,7 +52,8 @@ def supports(model: nn.Module) -> bool:
                and type(layer.mlp) in (MoE, MLP) for layer in layers)
 
 
-def _rms(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+def rms(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """The RMSNorm module's result on x [..., D] (one fused F.rms_norm in fp32)."""
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
     return norm(x)  # other dtypes: the module's own casts (fp32 statistics, weight applied in x's dtype)
@@ -77,21 +78,33 @@ def _rope(x_BXR: torch.Tensor, cos_B1R: torch.Tensor, sin_B1R: torch.Tensor, int
     return x_BXR * cos_B1R + x_BXR.roll(half, dims=-1) * sin_B1R
 
 
-def _attention(attn: MLAttention, x_BD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache: PagedLatentCache, write_rows_B: torch.Tensor, read_rows_BS: torch.Tensor,
-               mask_B1S: torch.Tensor | None) -> torch.Tensor:
+def attention(attn: MLAttention, x_BD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_LRX: torch.Tensor,
+              write_rows_B: torch.Tensor, read_rows_BS: torch.Tensor, mask_B1S: torch.Tensor | None,
+              deferred: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """MLAttention's absorbed one-token output [B, D] (after o_proj), storing the new latents in the cache tensor
+    kv [L, rows, C+R] (PagedLatentCache.kv) at `write_rows` and attending over `read_rows`. With a `deferred` list
+    the cache is only read: the new rows [B, C+R] are appended to it for the caller to write, and stand in for the
+    read rows equal to `write_rows` (the same values the write would give; under torch.compile a write into the
+    cache input followed by reads of it is functionalised into a copy of the whole cache every step)."""
     b = x_BD.shape[0]
     h, n, c, v = attn.num_heads, attn.nope_dim, attn.kv_lora_rank, attn.v_dim
     if hasattr(attn, "q_proj"):
         q = _linear(x_BD, attn.q_proj)
     else:
-        q = _linear(_rms(_linear(x_BD, attn.q_a_proj), attn.q_a_layernorm), attn.q_b_proj)
+        q = _linear(rms(_linear(x_BD, attn.q_a_proj), attn.q_a_layernorm), attn.q_b_proj)
     q_BHK = q.view(b, h, -1)
     c_BC, k_rope_BR = _linear(x_BD, attn.kv_a_proj_with_mqa).split([c, attn.rope_dim], dim=-1)
-    c_BC = _rms(c_BC, attn.kv_a_layernorm)
+    c_BC = rms(c_BC, attn.kv_a_layernorm)
     roped = _rope(torch.cat((q_BHK[..., n:], k_rope_BR[:, None]), dim=1), cos, sin, attn.rope_interleave)
-    cache.write(attn.layer_idx, write_rows_B, torch.cat((c_BC, roped[:, -1]), dim=-1))
-    kv_BSX = cache.read(attn.layer_idx, read_rows_BS)
+    kv_RX = kv_LRX[attn.layer_idx]  # PagedLatentCache.write and .read, on the tensor
+    new_BX = torch.cat((c_BC, roped[:, -1]), dim=-1).to(kv_RX.dtype)
+    if deferred is None:
+        kv_RX.index_copy_(0, write_rows_B, new_BX)
+        kv_BSX = kv_RX[read_rows_BS]
+    else:
+        deferred.append(new_BX)
+        fresh_BS1 = (read_rows_BS == write_rows_B[:, None])[..., None]
+        kv_BSX = torch.where(fresh_BS1, new_BX[:, None], kv_RX[read_rows_BS])
     w_HXC = attn.kv_b_proj.weight.view(h, n + v, c)
     dtype = q_BHK.dtype
     q_lat_HBC = torch.bmm(q_BHK[..., :n].transpose(0, 1), w_HXC[:, :n].to(dtype))
@@ -105,14 +118,15 @@ def _attention(attn: MLAttention, x_BD: torch.Tensor, cos: torch.Tensor, sin: to
     return _linear(out_HBV.transpose(0, 1).reshape(b, h * v), attn.o_proj)
 
 
-def _mlp(mlp: MLP, x_BD: torch.Tensor) -> torch.Tensor:
+def mlp(mlp: MLP, x_BD: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU MLP module's result on x [B, D]."""
     return _linear(F.silu(_linear(x_BD, mlp.gate_proj)) * _linear(x_BD, mlp.up_proj), mlp.down_proj)
 
 
 def _moe(moe: MoE, x_BD: torch.Tensor, trace: RoutingTrace | None) -> torch.Tensor:
     # MoE.forward for [B, 1, D] input, in eval mode (no aux loss) and without a stats collector.
     routed, _ = moe.experts(x_BD, moe.route(x_BD, trace))
-    return routed.to(x_BD.dtype) + _mlp(moe.shared_experts, x_BD)
+    return routed.to(x_BD.dtype) + mlp(moe.shared_experts, x_BD)
 
 
 def decode_hidden(model: nn.Module, ids_B: torch.Tensor, positions_B: torch.Tensor, cache: PagedLatentCache,
@@ -124,8 +138,8 @@ def decode_hidden(model: nn.Module, ids_B: torch.Tensor, positions_B: torch.Tens
     x_BD = F.embedding(ids_B, inner.embed_tokens.weight)
     cos, sin = rope_tables(model, positions_B, x_BD.dtype)
     for layer in inner.layers:
-        x_BD = x_BD + _attention(layer.self_attn, _rms(x_BD, layer.input_layernorm), cos, sin, cache,
-                                 write_rows_B, read_rows_BS, mask_B1S)
-        h_BD = _rms(x_BD, layer.post_attention_layernorm)
-        x_BD = x_BD + (_moe(layer.mlp, h_BD, trace) if isinstance(layer.mlp, MoE) else _mlp(layer.mlp, h_BD))
-    return _rms(x_BD, inner.norm)
+        x_BD = x_BD + attention(layer.self_attn, rms(x_BD, layer.input_layernorm), cos, sin, cache.kv,
+                                write_rows_B, read_rows_BS, mask_B1S)
+        h_BD = rms(x_BD, layer.post_attention_layernorm)
+        x_BD = x_BD + (_moe(layer.mlp, h_BD, trace) if isinstance(layer.mlp, MoE) else mlp(layer.mlp, h_BD))
+    return rms(x_BD, inner.norm)

@@ -12,7 +12,8 @@ H * (N + R + V). The forward is the model's own (K2Model and its DecoderLayers):
 `LatentCacheAttention` (openk2.infer.latent_attention) as the layers' attention core, and no statistics collector,
 so MoE load counts and max logits a trainer collects never see inference. One-token absorbed decode steps of a plain
 (unwrapped, unhooked) model run the same arithmetic in fewer eager ops (openk2.infer.decode_step, bit-identical;
-`fast_decode=False` turns it off).
+`fast_decode=False` turns it off); `decode_compile=True` runs them as one torch.compile graph per batch bucket instead
+(openk2.infer.compiled_decode: greedy-identical, logits within float rounding).
 
 Memory (openk2.infer.kv_cache): a sequence holds a block table into a `PagedLatentCache`; full blocks are named by
 a hash chained over their tokens, so a prompt that starts like an earlier one (a shared system prompt or tool
@@ -41,8 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from openk2.infer import decode_step
+from openk2.infer.compiled_decode import CompiledDecode
 from openk2.infer.kv_cache import ROOT_HASH, PagedLatentCache, block_hash, prefix_hashes
 from openk2.infer.latent_attention import LatentCacheAttention, absorbed_attention, expanded_attention
 from openk2.infer.sampling import SamplingParams, make_generator, sample_tokens
@@ -140,6 +143,7 @@ class Engine:
         compile: bool = False,
         preemption: bool = True,
         fast_decode: bool = True,
+        decode_compile: bool | str = False,
     ) -> None:
         """`tokenizer` (an openk2 K2Tokenizer, or anything with decode and eos_id) enables stop strings and
         `text`; max_batch_size sequences (samples) run at once, each at most max_seq_len tokens (prompt +
@@ -156,9 +160,15 @@ class Engine:
         admitted only when its worst case (prompt + max_tokens) is free, and nothing is ever preempted.
         `fast_decode` runs absorbed one-token decode steps through infer/decode_step.py (the same arithmetic in
         fewer eager ops) whenever the model is the plain, unwrapped K2 layout; off, or for any other model, every
-        step runs the model's own modules."""
+        step runs the model's own modules. `decode_compile` runs those fused steps (when routing is not recorded)
+        as one torch.compile graph per batch bucket (1, 2, 4, 8, ...; infer/compiled_decode.py): each bucket's
+        first step compiles (tens of seconds; `decode_compile_seconds`), and one cache block is held back as
+        the padding rows' scratch space (fp32 models only); a string names the torch.compile backend (True:
+        "inductor"; "none": the static graph uncompiled)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if compile and decode_compile:
+            raise ValueError("compile and decode_compile are exclusive (compiled blocks already run every step)")
         if compile:
             compile_blocks(model)
         self.model = model
@@ -174,7 +184,7 @@ class Engine:
         weight = model.model.embed_tokens.weight
         self.device = weight.device
         if num_blocks is None:
-            num_blocks = max_batch_size * -(-max_seq_len // block_size)
+            num_blocks = max_batch_size * -(-max_seq_len // block_size) + bool(decode_compile)
         self.cache = PagedLatentCache(self.cfg, num_blocks, block_size, dtype=weight.dtype, device=weight.device)
         if self.cache.blocks_for(max_seq_len) > num_blocks:
             raise ValueError(f"num_blocks={num_blocks} cannot hold one sequence of max_seq_len={max_seq_len}")
@@ -185,6 +195,15 @@ class Engine:
         self._weight_dicts = [d for m in model.modules() for d in (m._parameters, m._buffers)]
         self._weights_seen = self._weights_version()
         self.fast_decode = fast_decode and not compile and decode_step.supports(model)
+        self._layout: list = []  # (module __dict__, its _modules, their values) at the last layout check
+        self._layout_seen: tuple[int, bool] | None = None
+        self._layout_ok = False
+        self._compiled = None
+        if decode_compile:
+            if not self.fast_decode:
+                raise ValueError("decode_compile needs fast_decode and a plain K2 model (no hooks or wrappers)")
+            self._compiled = CompiledDecode(model, "inductor" if decode_compile is True else str(decode_compile))
+            self._scratch_row = self.cache.allocate() * block_size  # padding rows write here; never released
         self.prefill_tokens_computed = 0  # prompt tokens run through the model (prefix hits excluded)
         self.preemption = preemption
         self.preemptions = 0  # sequences preempted so far (a counter for tests and benchmarks)
@@ -456,13 +475,31 @@ class Engine:
                     ident += id(t)
         return version, ident
 
+    @property
+    def decode_compile_seconds(self) -> dict[int, float]:
+        """Wall seconds of each batch bucket's first (compiling) decode step; empty without decode_compile."""
+        return dict(self._compiled.compile_s) if self._compiled is not None else {}
+
     def _decode_step_applies(self) -> bool:
-        # Re-checked every step (about 80 us, under 1% of a tiny-model step): a caller may wrap layer forwards, swap
-        # modules or add hooks after construction, and those must then run.
+        # A caller may wrap layer forwards, swap modules or add hooks after construction, and those must then run.
+        # decode_step.supports walks the module tree; it is re-run only when the layout's change signal moves
+        # (_layout_signal), and its answer reused otherwise: 70 us per step instead of 550 on tiny (timeit medians,
+        # load ~18; the walk was ~80 us on a quiet machine).
         hooks = torch.nn.modules.module
         if not self.fast_decode or hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
             return False
-        return decode_step.supports(self.model)
+        if self._layout_signal() != self._layout_seen:
+            self._layout = [(m.__dict__, m._modules, tuple(m._modules.values())) for m in self.model.modules()]
+            self._layout_ok = decode_step.supports(self.model)
+            self._layout_seen = self._layout_signal()
+        return self._layout_ok
+
+    def _layout_signal(self) -> tuple[int, bool]:
+        # Every hook registration (any module, any kind) takes a handle id from one process-wide counter; an
+        # instance-level `forward` or a swapped submodule shows in the module dicts kept from the last check.
+        # Writing into a module's hook dicts by hand, bypassing register_*, is not seen.
+        same = all("forward" not in d and tuple(kids.values()) == seen for d, kids, seen in self._layout)
+        return RemovableHandle.next_id, same
 
     @contextmanager
     def _inference_mode(self):
@@ -520,7 +557,12 @@ class Engine:
                       for r in cache.rows(seq.blocks, s, s + n)]
         write_rows_M = torch.tensor(write_rows, device=dev)
         trace = RoutingTrace(self.cfg) if self.record_routing else None
-        if t == 1 and absorbed and self._decode_step_applies():
+        logits_BV = None
+        if t == 1 and absorbed and self._compiled is not None and trace is None and self._decode_step_applies():
+            mask_B1S = None if mask_B1TS is None else mask_B1TS[:, :, 0]
+            logits_BV = self._compiled(ids_BT[:, 0], positions_BT[:, 0], cache.kv, write_rows_M, read_rows_BS,
+                                       mask_B1S, self._scratch_row)
+        elif t == 1 and absorbed and self._decode_step_applies():
             mask_B1S = None if mask_B1TS is None else mask_B1TS[:, :, 0]
             hidden_BTD = decode_step.decode_hidden(self.model, ids_BT[:, 0], positions_BT[:, 0], cache, write_rows_M,
                                                    read_rows_BS, mask_B1S, trace)[:, None]
@@ -537,6 +579,8 @@ class Engine:
             seq.cached = total
             if self.prefix_caching and seq.shareable:
                 self._name_full_blocks(seq)
+        if logits_BV is not None:
+            return logits_BV
         last_BD = hidden_BTD[:, -1] if all_valid else hidden_BTD[torch.arange(b, device=dev), lens_B - 1]
         return self.model.lm_head(last_BD).float()
 

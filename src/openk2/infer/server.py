@@ -397,7 +397,8 @@ class ChatService:
 
 
 # ---------------------------------------------------------------------------------------------- the app
-def _load(checkpoint: str | Path, max_batch_size: int, max_seq_len: int, device: str | None, dtype: str | None):
+def _load(checkpoint: str | Path, max_batch_size: int, max_seq_len: int, device: str | None, dtype: str | None,
+          decode_compile: bool = False):
     import torch
 
     from openk2.data.tokenizer import K2Tokenizer
@@ -408,7 +409,8 @@ def _load(checkpoint: str | Path, max_batch_size: int, max_seq_len: int, device:
     torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     model = K2ForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype, device=device).eval()
     tokenizer = K2Tokenizer.load(checkpoint)
-    engine = Engine(model, tokenizer=tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    engine = Engine(model, tokenizer=tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                    decode_compile=decode_compile)
     return engine, tokenizer
 
 
@@ -429,6 +431,7 @@ def create_app(
     normalize_tool_call_ids: bool = False,
     strict_tool_calls: bool = False,
     grammar_max_string_length: int | None = None,
+    decode_compile: bool = False,
 ) -> FastAPI:
     """The FastAPI app. `source` is a checkpoint directory (model + tokenizer, loaded here) or an
     `(engine, tokenizer)` pair; the engine must have a tokenizer for stop strings. `model_name` defaults to the
@@ -437,7 +440,8 @@ def create_app(
     lifts a bound (`openk2.infer.admission`). `reasoning_parser` (e.g. "kimi_k2") returns `<think>` text as
     `reasoning_content`; `chat_template` is "kimi_k2" or "kimi_k2_thinking" (the default with a reasoning parser);
     `normalize_tool_call_ids` renders call ids as `functions.NAME:IDX` (K2 Vendor Verifier's advice; see
-    docs/serving.md)."""
+    docs/serving.md); `decode_compile` compiles the decode step per batch bucket (Engine(decode_compile=True): its
+    first step at each batch size bucket waits for the compile)."""
     budget = WorkBudget(max_request_work, max_inflight_work)  # bad limits fail before a model is loaded
     if reasoning_parser is not None:
         get_reasoning_parser(reasoning_parser)  # likewise a bad name
@@ -447,7 +451,7 @@ def create_app(
         engine, tokenizer = source
         model_name = model_name or "openk2"
     else:
-        engine, tokenizer = _load(source, max_batch_size, max_seq_len, device, dtype)
+        engine, tokenizer = _load(source, max_batch_size, max_seq_len, device, dtype, decode_compile)
         model_name = model_name or Path(source).resolve().name
     service = ChatService(engine, tokenizer, model_name, max_tokens_limit, budget=budget,
                           reasoning_parser=reasoning_parser, chat_template=chat_template,
