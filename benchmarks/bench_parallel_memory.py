@@ -1,6 +1,6 @@
 """State bytes each rank really holds (parameters, gradients, masters, optimizer) vs `openk2 plan`, per layout.
 
-Usage: python benchmarks/bench_parallel_memory.py [--preset small] [--dps 1 2 4] [--shard zero1|fsdp2]
+Usage: python benchmarks/bench_parallel_memory.py [--preset small] [--dps 1 2 4] [--shard zero1|fsdp2] [--ep 1]
 
 Each rank builds its share and the parallel trainer's optimizer, runs one real forward/backward on 1 x 16
 random tokens (gloo, one thread per process) and counts the storages of its parameters, their gradients and the
@@ -43,15 +43,16 @@ def main() -> None:
     parser.add_argument("--dps", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--shard", default="zero1", choices=["zero1", "fsdp2"], help="parallel.shard")
+    parser.add_argument("--ep", type=int, default=1, help="parallel.ep (world = dp x ep)")
     args = parser.parse_args()
     states = "bf16" if args.param_dtype == "bfloat16" else "fp32"
     rows = []
     print(f"preset {args.preset}, parallel.param_dtype {args.param_dtype}, parallel.shard {args.shard}, "
-          f"torch {torch.__version__}; MB per rank")
+          f"parallel.ep {args.ep}, torch {torch.__version__}; MB per rank")
     print(f"{'dp':>3} {'rank':>4} {'params':>9} {'grads':>9} {'master':>9} {'optim':>9} {'measured':>9} "
           f"{'plan':>9} {'plan/measured':>13}")
     for dp in args.dps:
-        parallel = {"dp": dp, "param_dtype": args.param_dtype, "shard": args.shard}
+        parallel = {"dp": dp, "ep": args.ep, "param_dtype": args.param_dtype, "shard": args.shard}
         held = measure(args.preset, parallel)
         planned = plan(RunConfig.from_dict({"model": {"preset": args.preset}, "parallel": parallel}),
                        states=states, device_type="cpu")["per_rank"]

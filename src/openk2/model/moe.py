@@ -6,6 +6,7 @@ Shape legend: N tokens (B*T), D hidden, E routed experts, K experts per token, I
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +139,13 @@ class RoutedExperts(nn.Module):
         out = torch.zeros(n, y_MD.shape[-1], dtype=y_MD.dtype, device=y_MD.device)
         return out.index_add_(0, token_of_row, y_MD), counts_E
 
+    def begin(self, x_ND: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """Tokens per expert [E] now and a `finish()` giving the combined output [N, D]: what the caller runs
+        in between overlaps the experts' token exchange where there is one (expert parallelism); here it is all
+        computed before returning."""
+        out, counts_E = self(x_ND, routing)
+        return counts_E, lambda: out
+
 
 class MoE(nn.Module):
     """Routed experts + shared expert(s); reports tokens per expert (and the balance loss) to a caller's stats."""
@@ -167,14 +175,15 @@ class MoE(nn.Module):
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(-1, d)
         routing = self.route(x_ND, trace)
-        routed, counts_E = self.experts(x_ND, routing)
-        # Computed whenever it applies, recorded or not: a recomputation's replay (stats=None) must run the
-        # forward's ops exactly.
+        counts_E, finish_routed = self.experts.begin(x_ND, routing)
+        # From here to finish_routed() nothing depends on the routed experts, so under expert parallelism it runs
+        # while their tokens travel. Computed whenever it applies, recorded or not: a recomputation's replay
+        # (stats=None) must run the forward's ops exactly.
         aux_loss = self._sequence_aux_loss(routing, b, t) if self.training and self.aux_loss_alpha else None
         if stats is not None:
             stats.record_routing(self.layer_idx, counts_E, aux_loss)
-        out = routed.view(b, t, d).to(x_BTD.dtype) + self.shared_experts(x_BTD)
-        return out
+        shared = self.shared_experts(x_BTD)
+        return finish_routed().view(b, t, d).to(x_BTD.dtype) + shared
 
     def _sequence_aux_loss(self, routing: Routing, b: int, t: int) -> torch.Tensor:
         # DeepSeek-V3 eq. 17-20: alpha * sum_i f_i * P_i per sequence, f_i = E/(K*T) * (tokens choosing i),

@@ -9,6 +9,8 @@ every rank's optimizer bytes from above and equals rank 0's.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def _measure_and_count(rank: int, parallel: dict) -> dict:
 
     mesh = init_parallel(ParallelConfig(**parallel), torch.device("cpu"))
     model = build_fsdp_model(_config(), mesh, torch.device("cpu"), init_seed=0)
-    optimizer = fsdp_muonclip.build_fsdp_optimizer(model, mesh.group("dp"), {"lr": 1e-3, "ns_dtype": torch.float32})
+    optimizer = fsdp_muonclip.build_fsdp_optimizer(model, mesh, {"lr": 1e-3, "ns_dtype": torch.float32})
     ids = torch.randint(0, _config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(rank))
     model(ids, labels=ids).loss.backward()
     counted: list[int] = []
@@ -82,9 +84,16 @@ def test_fsdp2_states_per_rank_equal_the_plan_and_each_matrix_is_orthogonalised_
 
 
 def test_fsdp2_refuses_what_it_does_not_run():
-    for bad in ({"pp": 2}, {"ep": 2}, {"pp": 2, "ep": 2}):
-        with pytest.raises(ValueError, match="parallel.shard=fsdp2 runs with pp=1 and ep=1 only"):
-            ParallelConfig(dp=2, shard="fsdp2", **bad)
+    for schedule in ("interleaved_zero_bubble", "zbv_zero_bubble"):
+        with pytest.raises(ValueError, match="parallel.shard=fsdp2 with pp > 1 runs schedules with a whole backward"):
+            ParallelConfig(dp=2, pp=2, pp_virtual_stages=2, pp_schedule=schedule, shard="fsdp2")
+    assert ParallelConfig(dp=2, ep=2, shard="fsdp2").world_size == 4  # ep > 1 runs (test_fsdp_ep.py)
+    assert ParallelConfig(dp=2, pp=2, shard="fsdp2").world_size == 4  # pp > 1 too (test_fsdp_ep_pp.py)
+    with pytest.raises(ValueError, match="parallel.shard=fsdp2 with pp > 1 needs dp x ep > 1"):
+        ParallelConfig(pp=2, shard="fsdp2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # dp = 1, ep = 2: the dense weights are still sharded over the ep ranks
+        ParallelConfig(ep=2, shard="fsdp2")
     with pytest.raises(ValueError, match="parallel.shard must be one of"):
         ParallelConfig(shard="zero3")
     with pytest.warns(UserWarning, match="nothing to shard"):

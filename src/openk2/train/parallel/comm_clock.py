@@ -3,10 +3,10 @@
 A process-wide accumulator: code that waits on a collective wraps the call in `timed()` (or adds a measured
 interval with `add`), and the trainer takes the sum once per step. Timed: gradient reduction to owners and
 the AdamW reduce-scatter, the Muon update broadcasts and the AdamW all-gather (minus the update arithmetic
-done while they are in flight), the gradient-norm and QK-Clip all-reduces, the forward EP all-to-alls and the
-trainer's loss/count all-reduces. Not timed: the backward EP all-to-all (inside autograd) and the pipeline's
-send/recv (inside torch's schedule). A blocking collective's time includes waiting for slower ranks, so on a
-shared CPU this is an upper bound of the wire time.
+done while they are in flight), the gradient-norm and QK-Clip all-reduces, the EP all-to-alls of forward and
+backward (issue and wait, not the work overlapped between them) and the trainer's loss/count all-reduces. Not
+timed: the pipeline's send/recv (inside torch's schedule). A blocking collective's time includes waiting for
+slower ranks, so on a shared CPU this is an upper bound of the wire time.
 """
 
 from __future__ import annotations

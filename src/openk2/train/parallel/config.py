@@ -23,6 +23,8 @@ PP_SCHEDULES = {
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 BACKENDS = ("auto", "gloo", "nccl")
 PARAM_DTYPE_NAMES = ("float32", "bfloat16")
+# Not run under fsdp2 with pp > 1 (untested): zero-bubble schedules split each backward into input and weight passes.
+FSDP2_REFUSED_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble")
 SHARD_MODES = ("zero1", "fsdp2")  # data-parallel sharding: optimizer state only, or weights and gradients too
 
 
@@ -33,6 +35,10 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages ranks (each rank holds pp_virtual_stages stages)
     pp_virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules); K2 uses > 1
     pp_schedule: str = "interleaved_1f1b"  # one of PP_SCHEDULES; micro-batches per step = train.grad_accum
+    # Forwards added to each pipeline rank's warm-up under interleaved_1f1b, beyond torch's own count (the K2
+    # report, section 2.4: more warm-up micro-batches let EP all-to-all overlap computation); each one costs a
+    # stage-micro-batch of activations on every rank (train/parallel/warmup_schedule.py).
+    pp_extra_warmup: int = 0
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     # Weight storage: "float32" (weights are their own masters) or "bfloat16" (the report's bf16 parameters,
     # fp32 gradient accumulation, fp32 masters sharded with the optimizer state; see train/parallel/mixed.py).
@@ -40,6 +46,13 @@ class ParallelConfig:
     # "zero1" (the report's: weights replicated over dp, optimizer state sharded) or "fsdp2" (ZeRO-3 with torch's
     # fully_shard: weights, gradients and optimizer state sharded over dp; train/parallel/fsdp.py).
     shard: str = "zero1"
+    # With ep > 1: run the shared expert (and the balance loss) while the EP dispatch all-to-all is in flight, in
+    # forward and backward (train/parallel/expert.py); bit-identical to false, which waits at once.
+    ep_overlap: bool = True
+    # ZeRO-1: reduce gradient buckets of grad_bucket_numel elements from backward hooks during the step's last
+    # backward (train/parallel/grad_hooks.py); bit-identical to false, which reduces them all after backward.
+    overlap_grad_reduce: bool = True
+    grad_bucket_numel: int = 1 << 22
 
     def __post_init__(self) -> None:
         for name in ("dp", "ep", "pp", "pp_virtual_stages"):
@@ -47,6 +60,14 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} must be at least 1, got {getattr(self, name)}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"parallel.pp_schedule must be one of {sorted(PP_SCHEDULES)}, got {self.pp_schedule!r}")
+        if self.pp_extra_warmup < 0:
+            raise ValueError(f"parallel.pp_extra_warmup must be at least 0, got {self.pp_extra_warmup}")
+        if self.pp_extra_warmup and self.pp_schedule != "interleaved_1f1b":
+            raise ValueError(f"parallel.pp_extra_warmup applies to pp_schedule=interleaved_1f1b only, "
+                             f"got pp_schedule={self.pp_schedule}")
+        if self.pp_extra_warmup and self.pp == 1:
+            warnings.warn("parallel.pp_extra_warmup with parallel.pp=1 has no pipeline to warm up: it is ignored",
+                          stacklevel=2)
         if self.pp_schedule in SINGLE_STAGE_SCHEDULES and self.pp_virtual_stages != 1:
             raise ValueError(f"parallel.pp_schedule={self.pp_schedule} runs one stage per rank; "
                              f"set pp_virtual_stages=1 or pick an interleaved schedule")
@@ -54,12 +75,19 @@ class ParallelConfig:
             raise ValueError("parallel.pp_schedule=zbv_zero_bubble needs exactly pp_virtual_stages=2 (V shape)")
         if self.param_dtype not in PARAM_DTYPE_NAMES:
             raise ValueError(f"parallel.param_dtype must be one of {PARAM_DTYPE_NAMES}, got {self.param_dtype!r}")
+        if self.grad_bucket_numel < 1:
+            raise ValueError(f"parallel.grad_bucket_numel must be at least 1, got {self.grad_bucket_numel}")
         if self.shard not in SHARD_MODES:
             raise ValueError(f"parallel.shard must be one of {SHARD_MODES}, got {self.shard!r}")
-        if self.shard == "fsdp2" and (self.pp > 1 or self.ep > 1):
-            raise ValueError(f"parallel.shard=fsdp2 runs with pp=1 and ep=1 only, got pp={self.pp}, ep={self.ep}")
-        if self.shard == "fsdp2" and self.dp == 1:
-            warnings.warn("parallel.shard=fsdp2 with parallel.dp=1 has nothing to shard: it is ignored", stacklevel=2)
+        if self.shard == "fsdp2" and self.pp > 1 and self.pp_schedule in FSDP2_REFUSED_SCHEDULES:
+            raise ValueError(f"parallel.shard=fsdp2 with pp > 1 runs schedules with a whole backward only, got "
+                             f"pp_schedule={self.pp_schedule}; use interleaved_1f1b, 1f1b, gpipe or looped_bfs")
+        if self.shard == "fsdp2" and self.dp * self.ep == 1 and self.pp > 1:
+            raise ValueError("parallel.shard=fsdp2 with pp > 1 needs dp x ep > 1 ranks to shard over; "
+                             "use parallel.shard=zero1")
+        if self.shard == "fsdp2" and self.dp * self.ep == 1:
+            warnings.warn("parallel.shard=fsdp2 with parallel.dp=ep=1 has nothing to shard: it is ignored",
+                          stacklevel=2)
         if self.backend not in BACKENDS:
             raise ValueError(f"parallel.backend must be one of {BACKENDS}, got {self.backend!r}")
 

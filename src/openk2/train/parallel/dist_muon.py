@@ -2,8 +2,10 @@
 
 One step for the group's Muon matrices (owners: owners.py, balanced by Newton-Schulz FLOPs):
 
-1. `reduce_gradients`: each owner's matrices are packed into buckets (at most `bucket_numel` elements) and
-   `dist.reduce`d to that owner (sum); only the owner keeps the summed gradient, everyone frees `p.grad`;
+1. gradients: grad_hooks.py cuts the parameters into buckets (in reverse registration order, the order backward
+   finishes them); `reduce_bucket` packs a bucket's matrices by owner and `dist.reduce`s each pack to its owner
+   (sum, async); only the owner keeps the summed gradient, everyone frees `p.grad`. `reduce_gradients` does
+   all buckets at once (DistributedMuonClip drives the buckets itself, from backward hooks when overlapping);
 2. `step`: the owner runs Muon's momentum (`optim.muon.muon_momentum`; the fp32 buffer lives on the owner only)
    and Newton-Schulz on its matrices, batched by (small side, large side) as single-process Muon does;
 3. the orthogonalised directions O are broadcast from each owner in `update_dtype` (bf16 by default: with a
@@ -18,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -25,6 +28,7 @@ from torch import nn
 
 from openk2.optim.muon import apply_muon_update, muon_momentum, zeropower_via_newtonschulz5
 from openk2.train.parallel import comm_clock
+from openk2.train.parallel.grad_hooks import GradBuckets, Pending
 from openk2.train.parallel.mixed import clear_fp32_grads, grad_of
 from openk2.train.parallel.owners import Unit, assign_owners
 
@@ -100,8 +104,10 @@ class DistributedMuon:
         self.bucket_numel = bucket_numel
         self.units = assign_owners([tuple(p.shape) for p in params], self.size, ns_steps)
         self.by_owner: dict[int, list[Unit]] = defaultdict(list)
+        self.units_of: dict[int, list[Unit]] = defaultdict(list)
         for unit in self.units:
             self.by_owner[unit.owner].append(unit)
+            self.units_of[unit.index].append(unit)
         self.owned = self.by_owner.get(self.rank, [])
         # fp32 momentum of the owned units only: the group's optimizer state, split ~1/size.
         self.buffers = {u: torch.zeros(u.view(params[u.index]).shape, dtype=torch.float32,
@@ -119,25 +125,29 @@ class DistributedMuon:
     def reduce_gradients(self) -> None:
         """Sum each matrix's gradient over the group onto its owner; frees every `p.grad`."""
         self.grads = {}
-        if self.size == 1:
-            for u in self.owned:
-                g = grad_of(self.params[u.index])
-                self.grads[u] = torch.zeros_like(self.buffers[u]) if g is None else u.view(g).float()
-        else:
-            def keep(owner: int, run: list[Unit], flat: torch.Tensor) -> None:
-                if owner == self.rank:
-                    self.grads.update(zip(run, self._split(flat, run), strict=True))
-            with comm_clock.timed():  # the packing copies are counted too: they exist only to communicate
-                in_flight = _InFlight(2 * self.bucket_numel, keep)
-                for owner in sorted(self.by_owner):
-                    for run in _buckets(self.by_owner[owner], self.params, self.bucket_numel):
-                        flat = torch.cat([self._grad(u).reshape(-1) for u in run])
-                        work = dist.reduce(flat, dst=self._global(owner), group=self.group, async_op=True)
-                        in_flight.add(owner, run, flat, work)
-                in_flight.drain()
+        GradBuckets([self], self.params, self.group, self.bucket_numel, hooks=False).drain()
         for p in self.params:
             p.grad = None
         clear_fp32_grads(self.params)
+
+    def reduce_bucket(self, indices: list[int], group: dist.ProcessGroup | None) -> list[Pending]:
+        """Issue the sums of params[i]'s gradients (i in `indices`) onto their owners over `group` (this group's
+        ranks; one async `dist.reduce` per owner); the owner's part lands in `grads` once finished."""
+        units = [u for i in indices for u in self.units_of[i]]
+        if self.size == 1:
+            self.grads.update((u, self._grad(u)) for u in units)
+            return []
+        pending: list[Pending] = []
+        for owner in sorted({u.owner for u in units}):
+            run = [u for u in units if u.owner == owner]
+            flat = torch.cat([self._grad(u).reshape(-1) for u in run])
+            work = dist.reduce(flat, dst=self._global(owner), group=group, async_op=True)
+            pending.append((work, partial(self._keep, owner, run, flat)))
+        return pending
+
+    def _keep(self, owner: int, run: list[Unit], flat: torch.Tensor) -> None:
+        if owner == self.rank:
+            self.grads.update(zip(run, self._split(flat, run), strict=True))
 
     def _grad(self, unit: Unit) -> torch.Tensor:
         p = self.params[unit.index]

@@ -1,25 +1,30 @@
 """MuonClip on FSDP2's sharded parameters: each rank updates only its rows, each matrix is orthogonalised once.
 
-Every parameter is a DTensor Shard(0) over dp (fsdp.py) and its gradient arrives reduce-scattered the same way,
-so the optimizer state lives on the local rows only (1/dp of it per rank):
+Every parameter is a DTensor Shard(0) (fsdp.py: dense weights over `group`, "dp" or "data" = dp x ep when
+ep > 1; this ep rank's routed experts over "dp") and its gradient arrives reduce-scattered the same way, so the
+optimizer state lives on the local rows only (1/dp of the experts, 1/(dp ep) of the dense weights per rank):
 
 - Muon momentum is elementwise: the fp32 buffer covers the rank's rows, and `optim.muon.muon_momentum` gives
   the rank's rows of the Nesterov direction.
 - 3-D expert stacks [E, n, m] are sharded by experts, so a rank holds whole matrices: it orthogonalises its
   own experts, no communication.
-- 2-D matrices [n, m] are split by rows, and Newton-Schulz needs the whole matrix: each has an owner
-  (owners.py, balanced by Newton-Schulz FLOPs); the ranks `gather` their direction rows to it, the owner
+- 2-D matrices [n, m] (all dense) are split by rows over `group`, and Newton-Schulz needs the whole matrix: each
+  has one owner in `group` (owners.py, balanced by Newton-Schulz FLOPs); the ranks `gather` their direction rows
+  to it, the owner
   orthogonalises its matrices (batched by shape), and `scatter`s each rank's rows of the result back.
   The peak temporary is on owners: the whole fp32 directions of the matrices a rank owns (its ~1/dp share
   of the 2-D Muon elements), the gathered copy and Newton-Schulz's batch; no step gathers everything anywhere.
 - AdamW (`torch.optim.AdamW` over the DTensors) works on the local shards as they are.
-- QK-Clip: the per-head max logits are MAX-reduced over every rank, so each rank knows every head's factor;
+- The gradient norm adds every rank's local squares over the world: each element lives on exactly one rank.
+- QK-Clip: the per-head max logits are MAX-reduced over every rank (dp and ep ranks saw different tokens), so each
+  rank knows every head's factor;
   it builds the per-row factor of each clipped q/k projection with QKClip's own rule on a stand-in of ones
   and multiplies its local rows by its slice of it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -35,9 +40,12 @@ from openk2.optim.qk_clip import QKClip, reduce_max_logits, unrecorded_max_logit
 from openk2.train.dcp import Block
 from openk2.train.dcp_state import EXP_AVG, EXP_AVG_SQ, MODEL, MOMENTUM, STEP, Entries
 from openk2.train.parallel import comm_clock
+from openk2.train.parallel.expert import ExpertParallelExperts
 from openk2.train.parallel.fsdp import shard_rows
+from openk2.train.parallel.mesh import ParallelMesh
 from openk2.train.parallel.mixed import QK_PROJECTIONS, qk_stand_in
 from openk2.train.parallel.owners import assign_owners
+from openk2.train.parallel.pipeline import PipelineModel
 from openk2.train.parallel.zero import agree_ns_kernel
 
 
@@ -46,29 +54,43 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class FSDPMuonClip:
-    """Muon + AdamW + QK-Clip for a model sharded by `fully_shard` over `group` (the "dp" process group)."""
+    """Muon + AdamW + QK-Clip for a model sharded by `fully_shard`: dense weights over `group` ("dp", or "data"
+    when ep > 1), the expert slices of `ExpertParallelExperts` modules over `expert_group` ("dp")."""
 
     def __init__(self, model: nn.Module, *, lr: float, weight_decay: float = 0.1, tau: float | None = 100.0,
                  momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, rms_scale: float = 0.2,
                  ns_dtype: torch.dtype = torch.bfloat16, use_muon: bool = True,
-                 muon_filter: MuonFilter | None = None, group: dist.ProcessGroup | None = None) -> None:
+                 muon_filter: MuonFilter | None = None, group: dist.ProcessGroup | None = None,
+                 expert_group: dist.ProcessGroup | None = None) -> None:
         self.model, self.group = model, group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # parameter -> (global index of its first local row, rows of the full tensor) for expert slices
+        self.expert_rows: dict[int, tuple[int, int]] = {}
+        expert_size, expert_rank = dist.get_world_size(expert_group), dist.get_rank(expert_group)
+        for module in model.modules():
+            if isinstance(module, ExpertParallelExperts):
+                for p in module.parameters(recurse=False):
+                    start, _ = shard_rows(p.shape[0], expert_size, expert_rank)
+                    self.expert_rows[id(p)] = (module.expert_offset + start, module.num_experts)
         self.lr, self.weight_decay, self.tau = lr, weight_decay, tau
         self.momentum, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
         self.rms_scale, self.ns_dtype = rms_scale, ns_dtype
         keep = muon_filter or default_muon_filter
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # full-model names (a PipelineModel's stage-local names renamed): what filters and checkpoints read
+        named = [(n, p) for n, p in (model.named_full_parameters() if isinstance(model, PipelineModel)
+                                     else model.named_parameters()) if p.requires_grad]
         muon = [(n, p) for n, p in named if use_muon and keep(n, p)]
         for n, p in muon:
             if p.ndim not in (2, 3):
                 raise ValueError(f"Muon takes 2-D matrices and 3-D expert stacks, got {n} {tuple(p.shape)}")
+            assert p.ndim == 3 or id(p) not in self.expert_rows, n  # expert weights are stacks: no owner needed
         self.stacks = [(n, p) for n, p in muon if p.ndim == 3]
         self.matrices = [(n, p) for n, p in muon if p.ndim == 2]
         self.owners = [u.owner for u in assign_owners([tuple(p.shape) for _, p in self.matrices], self.size,
                                                       ns_steps)]
         self.buffers = {p: torch.zeros_like(_local(p), dtype=torch.float32) for _, p in muon}
         self.adamw_params = [(n, p) for n, p in named if not (use_muon and keep(n, p))]
+        # Dense and expert DTensors (two meshes) in one group: torch's AdamW steps them together, foreach too.
         self.adamw = torch.optim.AdamW([p for _, p in self.adamw_params], lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS,
                                        weight_decay=weight_decay) if self.adamw_params else None
         for _, p in self.adamw_params:  # state exists from the start, so checkpoints load into it in place
@@ -101,19 +123,27 @@ class FSDPMuonClip:
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm (each element lives on one rank's shard); clip to max_norm if > 0."""
+        """Global gradient norm (each element lives on one rank's shard, summed over the world); clip if > 0."""
         grads = [_local(p.grad) for p in self._params() if p.grad is not None]
         square = torch.zeros((), dtype=torch.float32, device=self._device())
         for g in grads:
             square += g.float().square().sum()
         with comm_clock.timed():
-            dist.all_reduce(square, group=self.group)
+            dist.all_reduce(square)
         norm = float(square.sqrt())
         if max_norm > 0:
             coef = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
             for g in grads:
                 g.mul_(coef)
         return norm
+
+    def rows_of(self, p: nn.Parameter) -> tuple[int, int, int]:
+        """(first row, stop row, rows) of this rank's rows of `p` in the full single-process tensor."""
+        if id(p) in self.expert_rows:
+            first, rows = self.expert_rows[id(p)]
+            return first, first + _local(p).shape[0], rows
+        start, stop = shard_rows(p.shape[0], self.size, self.rank)
+        return start, stop, p.shape[0]
 
     def _device(self) -> torch.device:
         return self._params()[0].device
@@ -222,7 +252,9 @@ class FSDPMuonClip:
     # ------------------------------------------------------------------------------------------ QK-Clip
     def _clip(self, max_logits: torch.Tensor) -> None:
         """Rescale the local rows of every clipped head's q/k projections (QKClip's rule, per-row factors)."""
-        for index, layer in enumerate(self.model.attention_layers()):
+        layers = (self.model.attention if isinstance(self.model, PipelineModel)  # global index -> this rank's
+                  else dict(enumerate(self.model.attention_layers())))
+        for index, layer in layers.items():
             if not (max_logits[index] > self.tau).any():
                 continue
             probe = qk_stand_in(layer, _row_shape)
@@ -254,33 +286,38 @@ def _row_shape(param: torch.Tensor) -> tuple[int, ...]:
     return (param.shape[0], 1) if param.ndim == 2 else (param.shape[0],)
 
 
-def build_fsdp_optimizer(model: nn.Module, group: dist.ProcessGroup, muonclip_kwargs: dict[str, Any]) -> FSDPMuonClip:
-    """The FSDP2 trainer's optimizer (`OptimSection.muonclip_kwargs()` as keywords) over the "dp" group, with the
-    Newton-Schulz kernel agreed by every rank (zero.agree_ns_kernel)."""
+def build_fsdp_optimizer(model: nn.Module, mesh: ParallelMesh, muonclip_kwargs: dict[str, Any]) -> FSDPMuonClip:
+    """The FSDP2 trainer's optimizer (`OptimSection.muonclip_kwargs()` as keywords) over the groups fsdp.py shards
+    over (dense: "dp", or "data" when ep > 1; experts: "dp"), with the Newton-Schulz kernel agreed by every rank
+    (zero.agree_ns_kernel)."""
     agree_ns_kernel(next(model.parameters()).device, muonclip_kwargs.get("ns_dtype", torch.bfloat16))
-    return FSDPMuonClip(model, **muonclip_kwargs, group=group)
+    dense = mesh.group("data") if mesh.config.ep > 1 else mesh.group("dp")
+    return FSDPMuonClip(model, **muonclip_kwargs, group=dense, expert_group=mesh.group("dp"))
 
 
-def _rows_block(local: torch.Tensor, full: torch.Size, start: int, flat: bool) -> torch.Tensor | Block:
-    """Rows [start, start + len) of a tensor of shape `full` as a DCP Block (flattened to 1-D if `flat`)."""
+def _rows_block(local: torch.Tensor, rows: int, start: int, flat: bool) -> torch.Tensor | Block:
+    """`local` as rows [start, start + len) of a tensor of `rows` rows (a DCP Block; flattened to 1-D if `flat`)."""
+    full = (rows, *local.shape[1:])
     if flat:
-        per_row = full[1:].numel()
-        local, offsets, size = local.reshape(-1), (start * per_row,), (full.numel(),)
+        per_row = math.prod(full[1:])
+        local, offsets, size = local.reshape(-1), (start * per_row,), (rows * per_row,)
     else:
-        offsets, size = (start,) + (0,) * (len(full) - 1), tuple(full)
+        offsets, size = (start,) + (0,) * (len(full) - 1), full
     return local if tuple(local.shape) == tuple(size) else Block(local, offsets, size)
 
 
 def fsdp_entries(model: nn.Module, optimizer: FSDPMuonClip) -> tuple[Entries, Any]:
     """The model's and optimizer's DCP entries under dcp_state's layout-free names: each rank's rows of every
-    parameter, Muon momentum and AdamW moment as Blocks (loaded in place, so install() has nothing to do)."""
-    size, rank = optimizer.size, optimizer.rank
+    parameter, Muon momentum and AdamW moment as Blocks of the single-process tensor (expert slices at their global
+    expert rows), loaded in place, so install() has nothing to do."""
     entries: Entries = {}
-    for name, t in model.state_dict(keep_vars=True).items():
+    rename = model.full_names if isinstance(model, PipelineModel) else {}
+    for local_name, t in model.state_dict(keep_vars=True).items():
+        name = rename.get(local_name, local_name)
         if isinstance(t, DTensor):
-            start, stop = shard_rows(t.shape[0], size, rank)
+            start, stop, rows = optimizer.rows_of(t)
             if stop > start:
-                entries[MODEL + name] = _rows_block(t.to_local().detach(), t.shape, start, flat=False)
+                entries[MODEL + name] = _rows_block(t.to_local().detach(), rows, start, flat=False)
         else:  # buffers (router biases): replicated, the same on every rank
             entries[MODEL + name] = t.detach()
     pieces = [(MOMENTUM, p, optimizer.buffers[p]) for _, p in (*optimizer.stacks, *optimizer.matrices)]
@@ -289,7 +326,7 @@ def fsdp_entries(model: nn.Module, optimizer: FSDPMuonClip) -> tuple[Entries, An
         pieces += [(EXP_AVG, p, _local(state["exp_avg"])), (EXP_AVG_SQ, p, _local(state["exp_avg_sq"]))]
         entries[STEP + optimizer.names[id(p)]] = state["step"]
     for prefix, p, local in pieces:
-        start, stop = shard_rows(p.shape[0], size, rank)
+        start, stop, rows = optimizer.rows_of(p)
         if stop > start:
-            entries[prefix + optimizer.names[id(p)]] = _rows_block(local, p.shape, start, flat=True)
+            entries[prefix + optimizer.names[id(p)]] = _rows_block(local, rows, start, flat=True)
     return entries, lambda: None

@@ -68,7 +68,7 @@ def measure_states(config, parallel, device: torch.device, init_seed: int = 0, r
         from openk2.train.parallel.fsdp_muonclip import build_fsdp_optimizer
 
         model = build_fsdp_model(config, mesh, device, init_seed)
-        optimizer = build_fsdp_optimizer(model, mesh.group("dp"), {"lr": 1e-3, "ns_dtype": torch.float32})
+        optimizer = build_fsdp_optimizer(model, mesh, {"lr": 1e-3, "ns_dtype": torch.float32})
     else:
         model, expert_names = build_model_part(config, mesh, device, init_seed)
         optimizer = build_optimizer(model, expert_names, mesh, {"lr": 1e-3, "ns_dtype": torch.float32})  # casts

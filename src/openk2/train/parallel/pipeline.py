@@ -5,6 +5,8 @@ Stage s holds a contiguous run of decoder layers; stage 0 also embeds the tokens
 applies the final norm and lm_head, so the loss is computed on the last stage. With v virtual stages, pipeline
 rank p holds stages p, p + pp, ..., p + (v-1) pp ("loop" placement, what the interleaved schedules expect);
 the zero-bubble V schedule (zbv_zero_bubble) holds stages p and 2 pp - 1 - p instead.
+With parallel.pp_extra_warmup > 0, interleaved 1F1B runs that many more warm-up forwards per rank
+(warmup_schedule.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.model.moe import MoE
 from openk2.train.parallel.config import PP_SCHEDULES, SINGLE_STAGE_SCHEDULES, ParallelConfig
 from openk2.train.parallel.mesh import ParallelMesh
+from openk2.train.parallel.warmup_schedule import ScheduleInterleaved1F1BExtraWarmup
 
 
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
@@ -209,6 +212,9 @@ def build_schedule(
     schedule_cls = getattr(pipelining, PP_SCHEDULES[cfg.pp_schedule])
     if cfg.pp_schedule in SINGLE_STAGE_SCHEDULES:
         return schedule_cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if cfg.pp_extra_warmup:  # interleaved_1f1b only (config.py): the report's extra warm-up micro-batches
+        return ScheduleInterleaved1F1BExtraWarmup(stages, num_microbatches, extra_warmup=cfg.pp_extra_warmup,
+                                                  loss_fn=loss_fn, scale_grads=False)
     return schedule_cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 

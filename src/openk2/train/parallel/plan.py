@@ -2,7 +2,8 @@
 
 Per rank: parameters, gradients, master weights, optimizer state (counted from the meta-built share, so the
 counts are the trainer's own), activations (activations.py, at train.batch_size x data.seq_len under the
-`[memory]` options, times the micro-batches the pipeline schedule keeps in flight on that rank) and transient
+`[memory]` options, times the micro-batches the pipeline schedule keeps in flight on that rank, counted on the
+rank's own interleaved 1F1B action list with parallel.pp_extra_warmup's extra forwards) and transient
 buffers (the optimizer step's flat gathers, pipeline receive buffers, a recomputed layer). Total = the
 persistent states + the larger of the two phases (forward/backward vs optimizer step).
 
@@ -29,6 +30,7 @@ from openk2.train.parallel.dist_muon import DEFAULT_BUCKET_NUMEL
 from openk2.train.parallel.mesh import ParallelMesh
 from openk2.train.parallel.owners import assign_owners
 from openk2.train.parallel.pipeline import PipelineModel, stage_layer_ranges, stages_of_rank
+from openk2.train.parallel.warmup_schedule import peak_held, rank_actions
 
 STATE_POLICIES = {"fp32": {"param": 4, "grad": 4, "master": 0}, "bf16": {"param": 2, "grad": 4, "master": 4}}
 
@@ -61,7 +63,9 @@ def in_flight_microbatches(parallel: ParallelConfig, pp_rank: int, num_microbatc
         return m * v  # every forward before any backward
     if schedule == "1f1b":
         return min(m, pp - pp_rank)
-    # Interleaved (and the zero-bubble variants, approximated alike): torch's warm-up count + 1.
+    if schedule == "interleaved_1f1b":  # counted on the rank's own action list, extra warm-up forwards included
+        return int(peak_held(rank_actions(pp_rank, pp, v, m, parallel.pp_extra_warmup)))
+    # The zero-bubble variants, approximated like interleaved 1F1B: torch's warm-up count + 1.
     per_round = m // max(1, m // pp)
     warmup = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), m * v)
     return min(warmup + 1, m * v)
@@ -87,7 +91,8 @@ def plan_rank(cfg: RunConfig, parallel: ParallelConfig, pp_rank: int, states: st
     mesh = ParallelMesh(parallel, None, pp_rank * parallel.dp * parallel.ep, pp_rank, 0, 0)
     part, expert_names = meta_model_part(cfg.model, mesh)
     if parallel.shard == "fsdp2":
-        return _plan_fsdp2(cfg, parallel, part, device_type, gathered_bytes=2 if states == "bf16" else 4)
+        return _plan_fsdp2(cfg, parallel, part, expert_names, pp_rank, device_type,
+                           gathered_bytes=2 if states == "bf16" else 4)
     rename = full_name_of(part)
     groups = {"expert": parallel.dp, "dense": parallel.dp * parallel.ep}
     members: dict[tuple[str, str], list[tuple[int, ...]]] = defaultdict(list)
@@ -117,19 +122,26 @@ def plan_rank(cfg: RunConfig, parallel: ParallelConfig, pp_rank: int, states: st
                     comm_bytes=max(pipeline_buffers, step_buffers), total_bytes=total)
 
 
-def _plan_fsdp2(cfg: RunConfig, parallel: ParallelConfig, part, device_type: str, gathered_bytes: int) -> RankPlan:
-    """Rank 0 under FSDP2 (fsdp.py; fp32, pp = ep = 1): every parameter, gradient and optimizer tensor is its
-    dim-0 shard, rank 0's being the largest (FSDP2 pads every rank's storage to it). Transients: the forward and
+def _plan_fsdp2(cfg: RunConfig, parallel: ParallelConfig, part, expert_names: frozenset[str], pp_rank: int,
+                device_type: str, gathered_bytes: int) -> RankPlan:
+    """Rank (pp_rank, 0, 0) under FSDP2 (fsdp.py): every parameter, gradient and optimizer tensor is its dim-0
+    shard, rank 0's of its group being the largest (FSDP2 pads every rank's storage to it): this ep rank's expert
+    slices [E/ep, ...] over dp, the dense tensors over dp x ep, whose 2-D Muon matrices have owners in dp x ep.
+    With pp > 1 torch's PipelineStage keeps each stage's weights and gradients unsharded from its first backward
+    to the reduce-scatter after its last, so the forward/backward transient is the rank's whole share unsharded
+    (weights at `gathered_bytes`, fp32 gradients) plus the pipeline buffers. Otherwise: the forward and
     backward hold the root unit (embedding, norm, head) all-gathered, two decoder layers all-gathered (the one
     running and the one prefetched) and one layer's unsharded gradients before its reduce-scatter; the step, the
     whole fp32 directions of the 2-D Muon matrices the busiest rank owns, gathered, batched and orthogonalised
     (4 x 4 B per element) and the rows scattered back. The shards are fp32 under both state policies (with bf16
     weights they are the masters); `gathered_bytes` is the all-gathered compute copy's element size."""
-    dp = parallel.dp
+    dense = parallel.dp * parallel.ep
+    rename = full_name_of(part)
     local = sum_muon = sum_adam = 0
     matrices: list[tuple[int, ...]] = []
-    for name, p in part.named_parameters():
-        rows = math.ceil(p.shape[0] / dp) if p.ndim else 1
+    for local_name, p in part.named_parameters():
+        name = rename(local_name)
+        rows = math.ceil(p.shape[0] / (parallel.dp if name in expert_names else dense)) if p.ndim else 1
         numel = rows * math.prod(p.shape[1:])
         local += numel
         if cfg.optim.optimizer == "muon" and default_muon_filter(name, p):
@@ -138,18 +150,25 @@ def _plan_fsdp2(cfg: RunConfig, parallel: ParallelConfig, part, device_type: str
                 matrices.append(tuple(p.shape))
         else:
             sum_adam += numel
-    units = [sum(p.numel() for p in layer.parameters()) for layer in part.model.layers]
-    root = sum(p.numel() for p in part.parameters()) - sum(units)
+    layers = ([layer for stage in part.stages for layer in stage.layers] if isinstance(part, PipelineModel)
+              else list(part.model.layers))
+    units = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    whole = sum(p.numel() for p in part.parameters())
     largest = max(units, default=0)
-    gathered = gathered_bytes * (root + 3 * largest)  # root + two layers gathered, one layer's unsharded grads
-    owned = _owned_muon_numel(matrices, dp, cfg.optim.ns_steps)
+    if parallel.pp > 1:
+        gathered = (gathered_bytes + 4) * whole  # every stage's weights and fp32 gradients, unsharded
+    else:  # root + two layers gathered, one layer's unsharded grads
+        gathered = gathered_bytes * (whole - sum(units) + 3 * largest)
+    owned = _owned_muon_numel(matrices, dense, cfg.optim.ns_steps)
     step_buffers = 16 * owned + 4 * sum_muon
-    activations, _, transient = _activation_bytes(cfg, parallel, part, 0, device_type)
+    activations, pipeline_buffers, transient = _activation_bytes(cfg, parallel, part, pp_rank, device_type)
     persistent = 8 * local + 4 * sum_muon + 8 * sum_adam
-    total = persistent + max(activations + gathered + transient, step_buffers)
-    return RankPlan(rank=0, pp_rank=0, dp_rank=0, ep_rank=0, num_params=local, params_bytes=4 * local,
+    total = persistent + max(activations + gathered + pipeline_buffers + transient, step_buffers)
+    return RankPlan(rank=pp_rank * dense, pp_rank=pp_rank, dp_rank=0, ep_rank=0, num_params=local,
+                    params_bytes=4 * local,
                     grads_bytes=4 * local, master_bytes=0, optimizer_bytes=4 * sum_muon + 8 * sum_adam,
-                    activation_bytes=activations, comm_bytes=max(gathered, step_buffers), total_bytes=total)
+                    activation_bytes=activations, comm_bytes=max(gathered + pipeline_buffers, step_buffers),
+                    total_bytes=total)
 
 
 def _activation_bytes(cfg: RunConfig, parallel: ParallelConfig, part, pp_rank: int,
@@ -168,7 +187,12 @@ def _activation_bytes(cfg: RunConfig, parallel: ParallelConfig, part, pp_rank: i
     in_flight = in_flight_microbatches(parallel, pp_rank, cfg.train.grad_accum)
     held = in_flight * max(per_stage) * tokens
     last = len(ranges) - 1
-    if last in stage_ids:
+    if last in stage_ids and parallel.pp > 1 and parallel.pp_schedule == "interleaved_1f1b":
+        # Every last-stage micro-batch in flight also holds its logits and loss saves; extra warm-up forwards
+        # can run the last stage ahead of its backwards (with none, each is followed by its backward).
+        actions = rank_actions(pp_rank, parallel.pp, len(stage_ids), cfg.train.grad_accum, parallel.pp_extra_warmup)
+        held = peak_held(actions, lambda s: tokens * (max(per_stage) + (act.head() if s == last else 0.0)))
+    elif last in stage_ids:
         held += act.head() * tokens  # the last stage's backward follows its forward: one micro-batch of logits
     recompute = max(act.recompute_transient(model.is_moe_layer(i)) for s in stage_ids for i in ranges[s])
     pipeline_buffers = 2 * 4 * tokens * model.hidden_size * len(stage_ids) if parallel.pp > 1 else 0

@@ -2,21 +2,29 @@
 
 Each parameter is flattened to 1-D; its fp32 master is a DTensor `Shard(0)` over the group's DeviceMesh
 (torch.chunk's rule: rank r holds elements [r c, (r + 1) c), c = ceil(numel / size)), so `torch.optim.AdamW`
-keeps moments of the same shards. DTensor does the collectives: the gradient goes Partial -> Shard(0) (a
-reduce-scatter, sum), the updated master Shard(0) -> Replicate (an all-gather, in the weights' dtype). AdamW is
-elementwise, so updating shards equals the single-process update. With one rank plain tensors are used.
+keeps moments of the same shards. Gradients are reduce-scattered by bucket (grad_hooks.py: `reduce_bucket` lays
+each rank's shards of the bucket's parameters side by side, padded to the chunk, and issues one async
+reduce-scatter, sum); the updated master goes Shard(0) -> Replicate through DTensor (an all-gather, in the
+weights' dtype). AdamW is elementwise, so updating shards equals the single-process update. With one rank plain
+tensors are used.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from openk2.optim.param_groups import ADAMW_BETAS, ADAMW_EPS
 from openk2.train.parallel import comm_clock
+from openk2.train.parallel.grad_hooks import DEFAULT_GRAD_BUCKET_NUMEL, GradBuckets, Pending
 from openk2.train.parallel.mixed import clear_fp32_grads, grad_of
+
+# reduce_scatter_single is reduce_scatter_tensor's newer name (torch >= 2.13 warns on the old one).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def shard_range(numel: int, size: int, rank: int) -> tuple[int, int]:
@@ -59,20 +67,46 @@ class ShardedAdamW:
             for group in self.adamw.param_groups:
                 group["lr"] = lr
 
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group of the mesh (None when not distributed)."""
+        return self.mesh.get_group() if self.mesh is not None else None
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Each master gets this rank's shard of the group-summed gradient; frees every `p.grad`."""
-        for p, m in zip(self.params, self.masters, strict=True):
-            g = grad_of(p)
-            flat = (torch.zeros(p.shape, device=p.device) if g is None else g).detach().reshape(-1).float()
-            if self.mesh is None:
-                m.grad = flat
-            else:
-                with comm_clock.timed():  # a reduce-scatter
-                    m.grad = DTensor.from_local(flat, self.mesh, [Partial()], run_check=False).redistribute(
-                        self.mesh, [Shard(0)])
+        GradBuckets([self], self.params, self.group, DEFAULT_GRAD_BUCKET_NUMEL, hooks=False).drain()
+        for p in self.params:
             p.grad = None
         clear_fp32_grads(self.params)
+
+    def _flat_grad(self, p: nn.Parameter) -> torch.Tensor:
+        g = grad_of(p)
+        return (torch.zeros(p.shape, device=p.device) if g is None else g).detach().reshape(-1).float()
+
+    def reduce_bucket(self, indices: list[int], group: dist.ProcessGroup | None) -> list[Pending]:
+        """Issue one reduce-scatter over `group` (the mesh's ranks) of params[i]'s gradients, i in `indices`:
+        row r of the input holds rank r's shard of each, padded to ceil(numel / size); masters get their grad
+        (this rank's shard of the sum) once finished."""
+        if self.mesh is None:
+            for i in indices:
+                self.masters[i].grad = self._flat_grad(self.params[i])
+            return []
+        chunks = [-(-self.params[i].numel() // self.size) for i in indices]
+        send = torch.cat([F.pad(self._flat_grad(self.params[i]), (0, self.size * c - self.params[i].numel()))
+                          .view(self.size, c) for i, c in zip(indices, chunks, strict=True)], dim=1)
+        out = torch.empty(sum(chunks), dtype=torch.float32, device=send.device)
+        work = _reduce_scatter(out, send.reshape(-1), group=group, async_op=True)
+
+        def done() -> None:
+            offset = 0
+            for i, c in zip(indices, chunks, strict=True):
+                start, stop = self.ranges[i]
+                numel = self.params[i].numel()
+                self.masters[i].grad = DTensor.from_local(out[offset:offset + stop - start], self.mesh, [Shard(0)],
+                                                          run_check=False, shape=(numel,), stride=(1,))
+                offset += c
+        return [(work, done)]
 
     def grad_square_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's gradient shards (each element lives on one rank)."""

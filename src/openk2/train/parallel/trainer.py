@@ -122,7 +122,7 @@ class ParallelTrainer(Trainer):
 
     def _build_optimizer(self) -> DistributedMuonClip | FSDPMuonClip:
         if self.cfg.parallel.shard == "fsdp2":
-            return build_fsdp_optimizer(self.model, self.mesh.group("dp"), self.cfg.optim.muonclip_kwargs())
+            return build_fsdp_optimizer(self.model, self.mesh, self.cfg.optim.muonclip_kwargs())
         return build_optimizer(self.model, self.expert_names, self.mesh, self.cfg.optim.muonclip_kwargs())
 
     def _build_train_loader(self) -> PackedLoader:
@@ -169,7 +169,7 @@ class ParallelTrainer(Trainer):
 
     def _data_parallel_step(self, batches, targets, total, stats: ForwardStats) -> tuple[float, torch.Tensor | None]:
         loss, counts, row_share = 0.0, None, self._aux_weight()
-        for batch, n in zip(batches, targets, strict=True):
+        for i, (batch, n) in enumerate(zip(batches, targets, strict=True)):
             with self._autocast():
                 out = self._forward(batch, stats)
             # out.loss is the micro-batch's token mean (+ its aux loss); the token mean times n / total is this
@@ -179,6 +179,8 @@ class ParallelTrainer(Trainer):
             aux = out.aux_loss if out.aux_loss is not None else 0.0
             share = (out.loss - aux) * (n / total) if n else out.logits.sum() * 0.0
             share = share + aux * row_share
+            if i == len(batches) - 1:  # the last backward: each gradient bucket goes out once it is final
+                self._arm_grad_overlap(1)
             share.backward()
             loss += share.item()
             if out.tokens_per_expert is not None:
@@ -197,8 +199,12 @@ class ParallelTrainer(Trainer):
         losses: list[torch.Tensor] = []
         args = (ids,) if self.model.has_first_stage else ()
         kwargs = {"target": labels, "losses": losses} if self.model.has_last_stage else {}
+        # The schedule runs every micro-batch's backward inside step(); a stage parameter accumulates once per
+        # micro-batch, so its gradient is final at its len(batches)-th accumulation (grad_hooks.py counts them).
+        self._arm_grad_overlap(len(batches))
         with self._autocast(), self.model.recording(stats):
-            self.pipeline.step(*args, **kwargs)
+            # return_outputs=False: torch would otherwise keep every micro-batch's logits until the step ends.
+            self.pipeline.step(*args, return_outputs=False, **kwargs)
         # Only last-stage ranks hold cross-entropy losses; every rank adds its stages' weighted aux losses.
         loss = self._sum(sum(float(x.detach()) for x in losses) + self.model.recorded_aux_loss(), None)
         counts = stats.tokens_per_expert()
@@ -207,6 +213,11 @@ class ParallelTrainer(Trainer):
             with comm_clock.timed():
                 dist.all_reduce(counts)
         return loss, counts
+
+    def _arm_grad_overlap(self, fires: int) -> None:
+        """ZeRO-1 with parallel.overlap_grad_reduce: reduce buckets from backward hooks after `fires` accumulations."""
+        if isinstance(self.optimizer, DistributedMuonClip):
+            self.optimizer.arm_overlap(fires)
 
     def _aux_weight(self) -> float:
         """One micro-batch's share of the step's rows: the weight of its (sequence-mean) aux loss."""

@@ -11,6 +11,10 @@ Weights stay replicated within their replication group (ZeRO-1); optimizer state
   different tokens, EP ranks too, and only the pipeline stage owning a layer filled its rows), then every
   replica rescales its own copy of the query/key weights alike; AdamW masters re-read the weights each step.
 
+Gradients are reduced by bucket (grad_hooks.py), Muon and AdamW parameters of one group in the same buckets.
+With `overlap_grad_reduce`, the trainer arms the buckets before the step's last backward (`arm_overlap`) and
+each bucket goes out from backward hooks once its gradients are final; `reduce_gradients` then only drains.
+
 Two replication groups exist: dense weights are replicated over every rank that reads its own tokens (dp x ep,
 "data"), routed-expert weights only over "dp" (each EP rank holds different experts; with dp = 1 they are
 orthogonalised locally with no communication at all).
@@ -31,6 +35,13 @@ from openk2.optim.param_groups import MuonFilter, default_muon_filter
 from openk2.optim.qk_clip import QKClip, reduce_max_logits, unrecorded_max_logits
 from openk2.train.parallel import comm_clock
 from openk2.train.parallel.dist_muon import DEFAULT_BUCKET_NUMEL, DistributedMuon, group_size
+from openk2.train.parallel.grad_hooks import (
+    DEFAULT_GRAD_BUCKET_NUMEL,
+    GradBuckets,
+    OverlapStats,
+    dedicated_groups,
+    same_ranks,
+)
 from openk2.train.parallel.mesh import ParallelMesh
 from openk2.train.parallel.mixed import PARAM_DTYPES, accumulate_in_fp32, clear_fp32_grads, clip_factors
 from openk2.train.parallel.pipeline import PipelineModel
@@ -53,6 +64,9 @@ class DistributedMuonClip:
     over `expert_group`, the rest are replicated over `dense_group`. `attention_layers` maps this rank's
     global layer index to its attention module (for QK-Clip). `update_dtype` is the dtype Muon updates travel
     in (default: `ns_dtype`, which loses nothing since Newton-Schulz already rounds its output to it).
+    `overlap_grad_reduce` reduces gradient buckets (`grad_bucket_numel` elements) from backward hooks over
+    `reduce_groups` ({"dense", "expert"}: groups of their own with the same ranks; created here when both
+    groups are the world, else required).
     """
 
     def __init__(
@@ -77,6 +91,9 @@ class DistributedMuonClip:
         update_dtype: torch.dtype | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         param_dtype: torch.dtype = torch.float32,
+        overlap_grad_reduce: bool = False,
+        grad_bucket_numel: int = DEFAULT_GRAD_BUCKET_NUMEL,
+        reduce_groups: dict[str, ProcessGroup] | None = None,
     ) -> None:
         if param_dtype not in PARAM_DTYPES.values():
             raise ValueError(f"param_dtype must be one of {sorted(PARAM_DTYPES)}, got {param_dtype}")
@@ -114,6 +131,42 @@ class DistributedMuonClip:
             for p in params:
                 p.data = p.data.to(param_dtype)
             accumulate_in_fp32(params)
+        # After accumulate_in_fp32: hooks run in registration order, so the bucket hooks see the fp32 sum.
+        self.reducers = self._reducers(groups, [p for _, p in named_params], overlap_grad_reduce, grad_bucket_numel,
+                                       reduce_groups)
+
+    def _reducers(self, groups: dict[str, ProcessGroup], order: list[nn.Parameter], overlap: bool, cap: int,
+                  reduce_groups: dict[str, ProcessGroup] | None) -> dict[str, GradBuckets]:
+        if overlap and dist.is_initialized() and reduce_groups is None:
+            if groups["dense"] is not None or groups["expert"] is not None:
+                raise ValueError("overlap_grad_reduce over sub-groups needs reduce_groups (dedicated_groups)")
+            reduce_groups = {where: dist.new_group() for where in groups}  # every rank builds both, in order
+        out = {}
+        for where, group in groups.items():
+            hooks = overlap and group_size(group) > 1
+            if hooks and not same_ranks(reduce_groups[where], group):
+                raise ValueError(f"reduce_groups[{where!r}] must hold the same ranks as the {where} group")
+            out[where] = GradBuckets([self.muon[where], self.adamw[where]], order,
+                                     reduce_groups[where] if hooks else group, cap, hooks)
+        return out
+
+    def arm_overlap(self, fires: int = 1) -> None:
+        """Before the step's last backward (pipeline: before the step, `fires` = micro-batches): reduce each
+        gradient bucket from backward hooks once its parameters have accumulated `fires` more gradients
+        (a no-op without overlap_grad_reduce)."""
+        for reducer in self.reducers.values():
+            if reducer.hooked:
+                reducer.arm(fires)
+
+    def overlap_stats(self) -> OverlapStats:
+        """Buckets issued from hooks, early, and at drain, summed over both groups since construction."""
+        total = OverlapStats()
+        for r in self.reducers.values():
+            total.hook += r.stats.hook
+            total.early += r.stats.early
+            total.drain += r.stats.drain
+            total.last = (total.last[0] + r.stats.last[0], total.last[1] + r.stats.last[1])
+        return total
 
     # ------------------------------------------------------------------------------------------ MuonClip API
     def set_lr(self, lr: float) -> None:
@@ -125,6 +178,9 @@ class DistributedMuonClip:
         return [p for part in (*self.muon.values(), *self.adamw.values()) for p in part.params]
 
     def zero_grad(self) -> None:
+        for reducer in self.reducers.values():  # a skipped step's buckets: finish them so every rank's
+            if reducer.in_progress:               # collectives stay matched, then drop the result
+                reducer.drain()
         for part in self.muon.values():
             part.grads = {}
         for part in self.adamw.values():
@@ -140,9 +196,14 @@ class DistributedMuonClip:
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Sum every gradient over its replication group onto the rank(s) that update it; frees `p.grad`."""
-        for part in (*self.muon.values(), *self.adamw.values()):
-            part.reduce_gradients()
+        """Sum every gradient over its replication group onto the rank(s) that update it (with overlap, what the
+        backward hooks have not issued yet, then wait for all); frees `p.grad`."""
+        for where, reducer in self.reducers.items():
+            self.muon[where].grads = {}  # the owners' sums land in it as the buckets finish
+            reducer.drain()
+        for p in self._all_params():
+            p.grad = None
+        clear_fp32_grads(self._all_params())
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -232,13 +293,16 @@ def build_optimizer(model: nn.Module, expert_names: frozenset[str], mesh: Parall
     dense weights replicated over the "data" group, routed experts over "dp"; `parallel.param_dtype` weights
     (bfloat16: cast here, after the fp32 masters are taken)."""
     agree_ns_kernel(next(model.parameters()).device, muonclip_kwargs.get("ns_dtype", torch.bfloat16))
+    overlap = mesh.config.overlap_grad_reduce and mesh.mesh is not None
     if isinstance(model, PipelineModel):
         named, attention = model.named_full_parameters(), model.attention
     else:
         named, attention = list(model.named_parameters()), dict(enumerate(model.attention_layers()))
     return DistributedMuonClip(model, named, attention, **muonclip_kwargs, expert_names=expert_names,
                                dense_group=mesh.group("data"), expert_group=mesh.group("dp"),
-                               param_dtype=PARAM_DTYPES[mesh.config.param_dtype])
+                               param_dtype=PARAM_DTYPES[mesh.config.param_dtype], overlap_grad_reduce=overlap,
+                               grad_bucket_numel=mesh.config.grad_bucket_numel,
+                               reduce_groups=dedicated_groups(mesh) if overlap else None)
 
 
 def agree_ns_kernel(device: torch.device, dtype: torch.dtype) -> str:
