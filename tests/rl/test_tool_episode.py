@@ -86,6 +86,13 @@ def test_a_right_answer_without_the_lookup_earns_nothing(fmt):
     assert ep.task.verify(ep.problem, ep.traj.final_text) == 1.0  # the text alone is right
     assert ep.traj.reward == 0.0 and ep.traj.tool_calls == 0  # but the world saw no lookup
 
+    ep = episode(fmt, difficulty=2)
+    first, second = ep.problem.data["asked"]
+    other = next(i for i in ep.problem.data["prices"] if i not in (first, second))
+    assert not ep.advance(turn(fmt, call(first) + call(other)))  # one asked item, and one it was not asked for
+    assert ep.advance(turn(fmt, f"Answer: {ep.problem.data['answer']}"))
+    assert ep.traj.reward == 0.0 and ep.traj.tool_calls == 2  # the right sum, but "second" was never looked up
+
 
 def test_malformed_calls_get_error_messages_and_the_episode_goes_on(fmt):
     ep = episode(fmt, difficulty=2, max_turns=5)

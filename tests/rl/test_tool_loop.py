@@ -2,6 +2,7 @@
 writes tool transcripts, episodes run real engine turns with executed calls, per-environment tool metrics and
 held-out evaluation are logged, and a resumed run continues."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from openk2.cli.rl import rl_main
 from openk2.rl.config import load_rl_config
+from openk2.rl.tool_probe import probe_problems
 from openk2.rl.trainer import RLTrainer
 from openk2.train.metrics import read_metrics
 from tests.rl.test_trainer import MICRO
@@ -51,12 +53,14 @@ def test_shipped_config_selects_the_tool_environment(tmp_path):
 def test_tool_environment_trains_evaluates_and_resumes(tmp_path):
     config = tmp_path / "mix.toml"
     config.write_text(MIXTURE.format(base=TOOLS.as_posix()))
-    overrides = [*MICRO, "task.eval_samples=1", "model.max_position_embeddings=320"]
+    overrides = [*MICRO, "task.eval_samples=1", "model.max_position_embeddings=320", "warmup.probe_problems=2"]
     out = tmp_path / "run"
     args = ["--config", str(config), "--out-dir", str(out)] + [a for m in overrides for a in ("--set", m)]
     assert rl_main([*args, "--max-iterations", "2"]) == 0
     records = read_metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2]
+    probe = json.loads((out / "warmup" / "probe.json").read_text())  # the adaptive stop checked at the cap, 10
+    assert probe["checks"][-1]["step"] == probe["steps"] <= 10
     for key in ("eval_reward/lookup", "eval_reward_sampled/lookup", "eval_reward/arithmetic"):
         assert 0.0 <= records[0][key] <= 1.0, key
     trained = [r for r in records[1:] if r.get("groups_trained/lookup")]
@@ -68,6 +72,8 @@ def test_tool_environment_trains_evaluates_and_resumes(tmp_path):
 
     cfg = load_rl_config(config, overrides)
     trainer = RLTrainer(cfg, out, resume=True)
+    probes = probe_problems(trainer.env_by_name["lookup"], 2, cfg.train.seed)
+    assert {p.prompt for p in probes} <= trainer.env_by_name["lookup"].exclude  # resumed: still never trained on
     assert trainer.iteration == 2 and all(g.env != "lookup" for g in trainer.rollout.paused)  # never paused
     summary = trainer.run(max_iterations=1)
     assert summary.iteration == 3

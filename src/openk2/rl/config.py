@@ -38,10 +38,22 @@ class WarmupSection:
     batch_size: int = 32
     lr: float = 3e-3
     tokenizer_examples: int = 4000  # worked examples the BPE tokenizer is trained on
+    # adaptive stop for tool environments (rl/tool_probe.py): with probe_problems > 0, the greedy success on that
+    # many probe problems (never held out, never trained on) is checked every probe_every steps, and the warm-up
+    # ends at the first check at or above probe_low (within [probe_low, probe_high] unless it jumped past it);
+    # `steps` is then the cap
+    probe_problems: int = 0
+    probe_every: int = 10
+    probe_low: float = 0.2
+    probe_high: float = 0.6
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError("warmup.steps must be >= 0, warmup.batch_size >= 1 and warmup.lr > 0")
+        if self.probe_problems < 0 or self.probe_every < 1 or not 0.0 <= self.probe_low <= self.probe_high <= 1.0:
+            raise ValueError("warmup.probe_problems must be >= 0, probe_every >= 1 and 0 <= probe_low <= probe_high "
+                             f"<= 1, got {self.probe_problems}, {self.probe_every}, {self.probe_low}, "
+                             f"{self.probe_high}")
 
 
 @dataclass(kw_only=True)

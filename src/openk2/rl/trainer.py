@@ -51,6 +51,7 @@ from openk2.rl.ptx import PTXStream
 from openk2.rl.rollout import Group, PartialRollout, new_group
 from openk2.rl.routing_replay import replay_trace
 from openk2.rl.tasks.tool_task import ToolTask
+from openk2.rl.tool_probe import exclude_probes
 from openk2.rl.tool_rollout import attach_tool_rollouts, run_tool_groups, tool_metrics
 from openk2.rl.tool_warmup import run_tool_warmup
 from openk2.rl.warmup import encode_prompt, run_warmup
@@ -85,6 +86,7 @@ class RLTrainer:
         seed = cfg.train.seed
         seed_everything(seed)
         self.envs = build_mixture(cfg, seed, build_loop_env)  # build_loop_env: the critic's own environment
+        exclude_probes(self.envs, cfg.warmup.probe_problems, seed)  # the tool warm-up's probe shops: never trained on
         self.env_by_name = {e.name: e for e in self.envs}
         self.task = self.envs[0].task  # the first environment's task (the only one without [[envs]])
         self.eval_problems = [p for e in self.envs for p in e.eval_problems]

@@ -41,6 +41,8 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 WARMUP_DIR = "warmup"
 # One warm-up example as (text, trained on) runs: text written by openk2 itself (markers become control tokens)
 Example = list[tuple[str, bool]]
+# Called after every warm-up step with (steps done, model, tokenizer): True ends the warm-up there
+StopRule = Callable[[int, K2ForCausalLM, K2Tokenizer], bool]
 
 
 # ---------------------------------------------------------------------- the data
@@ -108,10 +110,12 @@ def sft_batch(tokenizer: K2Tokenizer, batch: list[Problem],
 # ---------------------------------------------------------------------- the run
 def run_warmup(cfg: RLConfig, task: Task, out_dir: Path, exclude: set[str],
                difficulties: list[int] | None = None, stream: Iterator[Problem] | None = None,
-               example: Callable[[Problem], Example] = sft_example) -> tuple[K2ForCausalLM, K2Tokenizer]:
+               example: Callable[[Problem], Example] = sft_example,
+               stop: StopRule | None = None) -> tuple[K2ForCausalLM, K2Tokenizer]:
     """Train (or reload, when `out_dir/warmup` holds a finished one) the warmed-up policy and its tokenizer, on
     `task`'s problems at `difficulties` (default: [task] difficulties) minus the `exclude`d held-out prompts, or
-    on the problems of `stream` when given, each written out by `example`."""
+    on the problems of `stream` when given, each written out by `example`; `stop(step, model, tokenizer)` after
+    each step may end it before `warmup.steps` (rl/tool_warmup.py's probe)."""
     done = out_dir / WARMUP_DIR
     if (done / "config.json").is_file() and (done / "tokenizer.json").is_file():
         print(f"warm-up: reusing {done}", file=sys.stderr)
@@ -125,7 +129,7 @@ def run_warmup(cfg: RLConfig, task: Task, out_dir: Path, exclude: set[str],
     seed_everything(seed)  # the policy's initial weights
     model = K2ForCausalLM(cfg.model)
     if wc.steps:
-        _fit(model, tokenizer, stream, cfg, example)
+        _fit(model, tokenizer, stream, cfg, example, stop)
     tmp = out_dir / f".{WARMUP_DIR}-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(done, ignore_errors=True)  # an incomplete earlier attempt
@@ -136,7 +140,7 @@ def run_warmup(cfg: RLConfig, task: Task, out_dir: Path, exclude: set[str],
 
 
 def _fit(model: K2ForCausalLM, tokenizer: K2Tokenizer, stream: Iterator[Problem], cfg: RLConfig,
-         example: Callable[[Problem], Example] = sft_example) -> None:
+         example: Callable[[Problem], Example] = sft_example, stop: StopRule | None = None) -> None:
     wc = cfg.warmup
     optimizer = MuonClip(model, lr=wc.lr, weight_decay=0.0, tau=cfg.optim.qk_clip_tau,
                          use_muon=cfg.optim.optimizer != "adamw")  # an sgd RL run still warms up with Muon
@@ -157,8 +161,10 @@ def _fit(model: K2ForCausalLM, tokenizer: K2Tokenizer, stream: Iterator[Problem]
         optimizer.zero_grad()
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
+        if stop is not None and stop(step + 1, model, tokenizer):
+            break
     bar.close()
 
 
-__all__ = ["Example", "chat_prompt", "encode_prompt", "problems", "run_warmup", "sft_batch", "sft_example", "sft_text",
-           "worked_solution"]
+__all__ = ["Example", "StopRule", "chat_prompt", "encode_prompt", "problems", "run_warmup", "sft_batch", "sft_example",
+           "sft_text", "worked_solution"]
