@@ -76,4 +76,21 @@ def test_acceptance_stats():
     stats.add(_judge(ScriptedModel(fail_criterion="c1"), _trajectory()))
     stats.add(_judge(ScriptedModel(fail_criterion="c1"), _trajectory(called=False)))
     assert stats.as_dict() == {"judged": 3, "accepted": 1, "rejected": 2, "acceptance_rate": 0.3333,
-                               "rejections_by_item": {"c1": 2, "expected_tools": 1}}
+                               "rejections_by_item": {"c1": 1, "expected_tools": 1}}  # the third: the rule decided
+
+
+def test_the_judge_model_is_not_asked_once_a_rule_has_rejected():
+    class Unreachable(ChatModel):
+        def chat(self, messages, tools=None, **sampling):
+            raise AssertionError("the judge model was asked about a trajectory a rule had already rejected")
+
+    stats = JSONStats()
+    j = _judge(Unreachable(), _trajectory(called=False), stats)
+    assert not j.accepted and j.model_skipped and j.failed_mandatory == ["expected_tools"]
+    assert [v.by for v in j.verdicts] == ["rule"] * 3 and stats.requests == 0
+    assert Judgement.from_dict(j.to_dict()) == j
+    asked = asyncio.run(judge_trajectory(ScriptedModel(fail_criterion="c1"), TASK, _trajectory(called=False),
+                                         ask_when_rejected=True))
+    assert not asked.model_skipped and asked.failed_mandatory == ["expected_tools", "c1"]
+    kept = _judge(ScriptedModel(), _trajectory())
+    assert not kept.model_skipped and kept.accepted

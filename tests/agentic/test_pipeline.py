@@ -75,7 +75,7 @@ def test_acceptance_report_at_every_stage(tmp_path, capsys):
     sources = traj["result_sources"]  # every call answered by the world or an injected fault, none by a model
     assert set(sources) <= {"world", "injected_fault"} and sum(sources.values()) == traj["tool_calls"]
     assert sources["world"] > 0
-    assert st["judged"] == {"judged": 6, "accepted": 6, "acceptance_rate": 1.0, "rejections": {}}
+    assert st["judged"] == {"judged": 6, "accepted": 6, "acceptance_rate": 1.0, "rejections": {}, "model_skipped": 0}
     stages = json.loads((tmp_path / "stages.json").read_text())
     assert stages["usage"]["judge"]["calls"] == 6 and stages["throughput"]["episodes"]["items"] == 6
     assert synth_main(["report", "--out", str(tmp_path)]) == 0

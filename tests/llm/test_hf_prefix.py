@@ -40,3 +40,12 @@ def test_pick_batch_keeps_the_oldest_and_prefers_its_prefix():
              (_plan([1, 2, 3, 4], temperature=0.0), "greedy"), (_plan([1, 2, 7]), "some")]
     assert [x for _, x in pick_batch(queue, 3)] == ["head", "near", "some"]
     assert [x for _, x in pick_batch(queue, 10)] == ["head", "near", "some", "other"]  # never mixes sampling keys
+
+
+def test_one_long_rest_is_prefilled_alone_not_padded_into_every_row():
+    from openk2.llm.hf_prefix import batched_rest_width
+
+    assert batched_rest_width([5] * 31 + [400]) == 5  # 31 x 5 padded + 395 + overhead alone << 32 x 400
+    assert batched_rest_width([50, 52, 55]) == 55  # alike: one padded prefill is cheapest
+    assert batched_rest_width([7]) == 7
+    assert batched_rest_width([10, 200], overhead=0) == 10 and batched_rest_width([10, 20], overhead=48) == 20

@@ -6,7 +6,10 @@ every criterion answered), plus checks that need no model and cannot be argued w
 final answer, not an error, and (when the rubric says so) every expected tool was called. The judge's request
 carries a JSON schema with one required entry per criterion id (`verdict_schema`), so under a grammar every
 criterion is answered. A trajectory is accepted only if all mandatory items pass; a judge that cannot produce a
-usable verdict rejects it, with the reason.
+usable verdict rejects it, with the reason. When a mandatory rule check already failed, the outcome is decided
+and the judge model is not asked (`ask_when_rejected=False`, the default): no model verdicts are recorded, and
+`Judgement.model_skipped` says so (with `smollm2` in the CI-sized run this is most trajectories, whose forced call
+went to another tool).
 `AcceptanceStats` counts what was kept and why the rest was dropped.
 """
 
@@ -40,6 +43,7 @@ class Judgement:
     accepted: bool
     score: float  # fraction of all items passed
     failed_mandatory: list[str] = field(default_factory=list)
+    model_skipped: bool = False  # a mandatory rule failed first, so the judge model was not asked
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,10 +116,16 @@ def _verdict_validator(ids: list[str]):
 
 
 async def judge_trajectory(model: ChatModel, task: Task, trajectory: Trajectory, *, stats: JSONStats | None = None,
-                           max_attempts: int = 3, **sampling: Any) -> Judgement:
-    """Score `trajectory` against `task.rubric` and decide whether it is kept."""
+                           max_attempts: int = 3, ask_when_rejected: bool = False, **sampling: Any) -> Judgement:
+    """Score `trajectory` against `task.rubric` and decide whether it is kept; the judge model is asked only
+    when every mandatory rule check passed (or `ask_when_rejected`)."""
     rubric = task.rubric
     verdicts = rule_verdicts(trajectory, rubric)
+    ruled_out = [v.criterion_id for v in verdicts if v.mandatory and not v.passed]
+    if ruled_out and not ask_when_rejected:
+        return Judgement(trajectory_id=trajectory.trajectory_id, verdicts=verdicts, accepted=False,
+                         score=sum(v.passed for v in verdicts) / len(verdicts), failed_mandatory=ruled_out,
+                         model_skipped=True)
     criteria = [{"id": c.criterion_id, "criterion": c.description, "mandatory": c.mandatory} for c in rubric.criteria]
     prompt = (f"You are a strict judge of an AI assistant's tool-use trajectory.\nTask: {task.instruction}\n"
               f"Expected tool use: {', '.join(rubric.expected_tools)}\nCheckpoints: {json.dumps(rubric.checkpoints)}\n"

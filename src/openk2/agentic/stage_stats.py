@@ -121,7 +121,8 @@ def stage_stats(out: str | Path, cfg: Any, *, seconds: dict[str, float], done: d
     accepted = sum(bool(j["accepted"]) for j in judged)
     stages["judged"] = {"judged": len(judged), "accepted": accepted, "acceptance_rate": _rate(accepted, len(judged)),
                         "rejections": dict(Counter(i for j in judged for i in j.get("failed_mandatory", []))
-                                           .most_common())}
+                                           .most_common()),
+                        "model_skipped": sum(bool(j.get("model_skipped")) for j in judged)}  # a rule decided first
 
     throughput = {name: {"seconds": round(s, 1), "items": done.get(name, 0),
                          "items_per_minute": round(60 * done.get(name, 0) / s, 2) if s > 0 else None}

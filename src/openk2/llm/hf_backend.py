@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from openk2.llm.base import ChatModel, ChatResponse
+from openk2.llm.hf_kvstore import PrefixKVStore
 
 _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_tokens", "n", "stop", "seed", "tool_choice",
                   "response_format", "parallel_tool_calls"}
@@ -227,7 +228,7 @@ class HFChatModel(ChatModel):
     def __init__(self, source: str | Path | tuple[Any, Any], gguf_file: str | None = None, device: str = "cpu",
                  dtype: str | None = None, default_max_tokens: int = 256, trust_remote_code: bool = False,
                  strict_tool_calls: bool = True, max_string_length: int | None = 256,
-                 max_batch_size: int = 32, min_shared_prefix: int = 16) -> None:
+                 max_batch_size: int = 32, min_shared_prefix: int = 16, prefix_cache_mb: int = 512) -> None:
 
         if isinstance(source, tuple):
             self.model, self.tokenizer = source
@@ -252,6 +253,8 @@ class HFChatModel(ChatModel):
         self.max_batch_size = max_batch_size  # concurrent `achat` calls batched into one generate
         self.min_shared_prefix = min_shared_prefix  # 0: no shared-prefix prefill (openk2.llm.hf_prefix)
         self.prefix_stats = {"prompt_tokens": 0, "shared_tokens": 0}  # prompt tokens in, and not prefilled again
+        # prompt heads' KV kept across generate calls (openk2.llm.hf_kvstore); 0 MB: none
+        self.kv_store = PrefixKVStore(prefix_cache_mb * 2**20) if prefix_cache_mb and min_shared_prefix else None
         self._queues: dict[int, list] = {}  # per event loop: (plan, future) waiting for a batch
         self._runners: dict[int, asyncio.Task] = {}
 
@@ -341,6 +344,7 @@ class HFChatModel(ChatModel):
         import torch
         from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+        from openk2.llm.hf_cache import growing_cache
         from openk2.llm.hf_grammar import GrammarLogits, row_grammars
         from openk2.llm.hf_prefix import plan_prefixes, prefill
 
@@ -351,10 +355,12 @@ class HFChatModel(ChatModel):
         prompts = [p.prompt for p in plans]
         shared = plan_prefixes(prompts, self.min_shared_prefix) if copies == 1 and self.min_shared_prefix else None
         cache = None
-        if shared is not None and shared.group_len:
+        if shared is not None and (shared.group_len or self.kv_store):
             with self._lock, torch.no_grad():
-                input_ids, attention, cache = prefill(self.model, prompts, shared, self.pad_id, self.device)
-            self.prefix_stats["shared_tokens"] += shared.shared_tokens
+                input_ids, attention, cache, saved = prefill(self.model, prompts, shared, self.pad_id, self.device,
+                                                             self.kv_store, self.min_shared_prefix,
+                                                             reserve=max(p.max_tokens for p in plans) + 1)
+            self.prefix_stats["shared_tokens"] += saved
         else:
             width = max(len(p) for p in prompts)
             input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts],  # left padding
@@ -400,8 +406,9 @@ class HFChatModel(ChatModel):
             if first.seed is not None:
                 torch.manual_seed(int(first.seed))
             with torch.no_grad():
-                if cache is not None:
-                    gen["cache"] = cache
+                # in-place appends instead of transformers' copy of the whole cache per step (openk2.llm.hf_cache)
+                gen["cache"] = cache if cache is not None else growing_cache(
+                    reserve=max_new + 1, num_layers=getattr(self.model.config, "num_hidden_layers", None))
                 out = self.model.generate(input_ids=input_ids, attention_mask=attention, **gen)
         rows = out[:, plen:].tolist()
         return [self._responses(p, rows[k * copies:(k + 1) * copies] * (n if greedy else 1), len(p.prompt), greedy)
