@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from openk2.cli.rl import rl_main
 from openk2.rl.config import load_rl_config
@@ -30,13 +29,6 @@ max_tokens = 40
 max_turns = 3
 eval_problems = 4
 """
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_shipped_config_selects_the_tool_environment(tmp_path):
