@@ -17,13 +17,6 @@ from .test_engine import make_model, prompts_of
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, return_logits=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def both(model, prompts, params=PARAMS, **kw):
     fast = Engine(model, max_batch_size=4, max_seq_len=64, **kw)

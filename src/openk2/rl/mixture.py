@@ -91,8 +91,19 @@ def problems(task: Task, difficulties: list[int], seed: int, exclude: set[str]) 
 
 def held_out_problems(task: Task, difficulties: list[int], count: int, seed: int) -> list[Problem]:
     """`count` distinct evaluation problems (a seed stream of their own)."""
-    seen, out = set(), []
-    stream = problems(task, difficulties, seed + 10_000, set())
+    out = distinct_problems(task, difficulties, count, seed + 10_000)
+    if out is None:
+        raise ValueError(f"task {task.name} at difficulties {difficulties} has fewer than {count} distinct problems")
+    return out
+
+
+def distinct_problems(task: Task, difficulties: list[int], count: int, seed: int,
+                      exclude: frozenset[str] = frozenset()) -> list[Problem] | None:
+    """`count` problems with distinct prompts, none in `exclude`, from the stream of `seed`; None if 100 draws
+    per wanted problem do not find them (the caller says what that means for its setting)."""
+    seen: set[str] = set()
+    out: list[Problem] = []
+    stream = problems(task, difficulties, seed, set(exclude))
     for _ in range(count * 100):
         problem = next(stream)
         if problem.prompt not in seen:
@@ -100,7 +111,7 @@ def held_out_problems(task: Task, difficulties: list[int], count: int, seed: int
             out.append(problem)
             if len(out) == count:
                 return out
-    raise ValueError(f"task {task.name} at difficulties {difficulties} has fewer than {count} distinct problems")
+    return None
 
 
-__all__ = ["MixtureEnv", "build_mixture", "choose_env", "held_out_problems", "problems"]
+__all__ = ["MixtureEnv", "build_mixture", "choose_env", "distinct_problems", "held_out_problems", "problems"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from openk2.rl.mixture import MixtureEnv, problems
+from openk2.rl.mixture import MixtureEnv, distinct_problems
 from openk2.rl.tasks import Problem
 from openk2.rl.tasks.tool_task import ToolTask
 
@@ -27,17 +27,10 @@ PROBE_FILE = "probe.json"  # written into the run's warmup/ directory
 
 def probe_problems(env: MixtureEnv, count: int, seed: int) -> list[Problem]:
     """`count` distinct probe problems of `env` at its difficulties, none of them a held-out prompt."""
-    held_out = {p.prompt for p in env.eval_problems}
-    stream = problems(env.task, env.spec.difficulties, seed + PROBE_SEED_OFFSET, held_out)
-    seen: set[str] = set()
-    out: list[Problem] = []
-    for _ in range(count * 100):
-        problem = next(stream)
-        if problem.prompt not in seen:
-            seen.add(problem.prompt)
-            out.append(problem)
-            if len(out) == count:
-                return out
+    held_out = frozenset(p.prompt for p in env.eval_problems)
+    out = distinct_problems(env.task, env.spec.difficulties, count, seed + PROBE_SEED_OFFSET, held_out)
+    if out is not None:
+        return out
     raise ValueError(f"task {env.task.name} has fewer than {count} probe problems outside its held-out ones; "
                      "lower warmup.probe_problems")
 
