@@ -12,7 +12,7 @@ import torch
 
 from openk2.optim.muon import Muon
 from openk2.optim.newton_schulz import NS_KERNELS
-from openk2.optim.ns_kernel import measure_ns_kernels, select_ns_kernel
+from openk2.optim.ns_kernel import gemm_kind, measure_ns_kernels, ns_kernel_timings, select_ns_kernel
 from openk2.optim.param_groups import param_groups
 
 # Architecture numbers of the presets, used only when the model package cannot be imported yet.
@@ -183,9 +183,15 @@ def main() -> None:
         f"torch {torch.__version__}, device {device}, {torch.get_num_threads()} CPU threads, fp32 params, "
         f"median of {args.repeats} interleaved steps after {args.warmup} warm-up"
     )
-    probe = measure_ns_kernels(device, torch.bfloat16)
-    print("start-up probe (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in probe.items())
-          + f"; auto-selected: {select_ns_kernel(device, torch.bfloat16)}")
+    chosen = select_ns_kernel(device, torch.bfloat16)
+    probe = ns_kernel_timings(device, torch.bfloat16) or {}
+    print(f"bf16 GEMM kind: {gemm_kind(device, torch.bfloat16)}; start-up probe (ms): "
+          + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in probe.items()) + f"; auto-selected: {chosen}")
+    skipped = [k for k in NS_KERNELS if k not in probe]
+    if skipped:  # the capability rule left these out of the probe; time them once, for the record
+        extra = measure_ns_kernels(device, torch.bfloat16, kernels=skipped)
+        print("not probed (capability rule), timed for reference (ms): "
+              + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in extra.items()))
     header = (
         f"{'preset':<7} {'shapes from':<16} {'tensors':>7} {'matrices':>8} {'params':>8} "
         f"{'torch ms':>10} {'ours ms':>9} {'torch/ours':>10}"

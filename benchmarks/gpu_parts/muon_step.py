@@ -12,6 +12,7 @@ from bench_optim import time_steps
 
 from openk2 import K2ForCausalLM
 from openk2.optim.muon import Muon
+from openk2.optim.ns_kernel import gemm_kind, ns_kernel_timings, select_ns_kernel
 from openk2.optim.param_groups import param_groups
 
 from .context import PartContext, PartSkipped
@@ -45,12 +46,16 @@ def run(ctx: PartContext) -> dict:
     matrices = [s[-2:] for s in shapes for _ in range(s[0] if len(s) == 3 else 1)]
     theirs = [_leaf(s, gen, ctx.device) for s in matrices]
     reference = torch.optim.Muon(theirs, adjust_lr_fn="match_rms_adamw", **kw)
+    kernel = select_ns_kernel(ctx.device, torch.bfloat16)  # the start-up probe ours runs (optim/ns_kernel.py)
+    probe = ns_kernel_timings(ctx.device, torch.bfloat16) or {}
     steps = {"ours": Muon(ours, **kw).step, "torch": reference.step}
     ms = time_steps(steps, warmup=2, repeats=3 if ctx.quick else 5, device=ctx.device)
     params = sum(p.numel() for p in ours)
     return {"status": "measured", "metrics": {
         "tensors_ours": len(shapes), "matrices_torch": len(matrices), "params_m": params / 1e6,
         "ours_ms": ms["ours"], "torch_ms": ms["torch"], "torch_over_ours": ms["torch"] / ms["ours"],
+        "ns_kernel": kernel, "bf16_gemm_kind": gemm_kind(ctx.device, torch.bfloat16),
+        "ns_probe_ms": ", ".join(f"{k} {v * 1e3:.2f}" for k, v in probe.items()) or "pinned, not measured",
         "settings": "fp32 params and grads, bf16 Newton-Schulz (5 steps) in both, Nesterov, wd 0.1; "
                     "median of interleaved steps after 2 warm-ups",
     }}

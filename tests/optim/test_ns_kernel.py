@@ -17,8 +17,9 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch):
-    """Each test sees an empty choice cache, and the process's real one is left as it was."""
+    """Each test sees empty choice and timing caches, and the process's real ones are left as they were."""
     monkeypatch.setattr(ns_kernel, "_CACHE", {})
+    monkeypatch.setattr(ns_kernel, "_TIMINGS", {})
 
 
 class FakeMeasure:
