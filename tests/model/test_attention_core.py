@@ -1,13 +1,14 @@
-"""The attention core (fused SDPA with MLA's unequal head dims) and the blockwise max-logit probe, against the
-explicit softmax(QK^T)V and the explicit max over [B, H, T, S] logits."""
+"""The attention core (short attention; fused SDPA with MLA's unequal head dims) and the blockwise max-logit probe,
+against the explicit softmax(QK^T)V and the explicit max over [B, H, T, S] logits."""
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openk2.model.attention import segment_causal_mask
-from openk2.model.attention_core import attend, attend_with_max, head_max_logits
+from openk2.model.attention_core import attend, attend_with_max, fused_attend, head_max_logits
 from openk2.model.probed_attention import probed_attention
+from openk2.model.short_attention import short_attention
 
 
 def _explicit_logits(q, k, scale, mask):
@@ -32,7 +33,8 @@ def _probed_small_blocks(q, k, v, scale, mask):
     return probed_attention(q, k, v, scale, mask, rows=16, key_tile=8)[0]  # 37 rows divide into neither
 
 
-KERNELS = {"attend": attend, "probed": _probed_small_blocks, "probed_one_block": lambda *a: probed_attention(*a)[0]}
+KERNELS = {"attend": attend, "fused": fused_attend, "short": lambda *a: short_attention(*a)[0],
+           "probed": _probed_small_blocks, "probed_one_block": lambda *a: probed_attention(*a)[0]}
 
 
 @pytest.mark.parametrize("kind", ["causal", "packed", "random"])
@@ -41,7 +43,7 @@ KERNELS = {"attend": attend, "probed": _probed_small_blocks, "probed_one_block":
 def test_kernels_match_explicit_softmax_forward_and_backward(kind, dims, kernel):
     g = torch.Generator().manual_seed(sum(dims) + len(kind))
     qk_dim, v_dim = dims
-    if kernel != "attend" and qk_dim < v_dim:
+    if kernel.startswith("probed") and qk_dim < v_dim:
         pytest.skip("probed_attention needs q/k head dim >= v's (MLA: 192 >= 128)")
     b, h, t = 2, 3, 37
     q, k = (torch.randn(b, h, t, qk_dim, generator=g, dtype=torch.float64) for _ in range(2))
@@ -69,8 +71,8 @@ def test_attend_runs_on_the_flash_kernel_with_mla_head_dims():
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         with pytest.raises(RuntimeError):
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        attend(q, k, v, 0.2).sum().backward()
-        attend(q, k, v, 0.2, mask).sum().backward()
+        fused_attend(q, k, v, 0.2).sum().backward()
+        fused_attend(q, k, v, 0.2, mask).sum().backward()
 
 
 @pytest.mark.parametrize("kind", ["causal", "packed", "random"])
@@ -117,9 +119,9 @@ def test_fused_probe_returns_the_explicit_max(kind, t):
     for rows, key_tile in ((16, 8), (16, 24), (128, 1024)):  # 33 and 70 divide into none; one tile
         _, got = probed_attention(q, k, v, 0.7, mask, rows=rows, key_tile=key_tile)
         torch.testing.assert_close(got, expected, rtol=2**-20, atol=0)
-    out, got = attend_with_max(q, k, v, 0.7, mask)
-    torch.testing.assert_close(got, expected, rtol=2**-20, atol=0)
-    torch.testing.assert_close(out, _explicit_attention(q, k, v, 0.7, mask), rtol=1e-5, atol=1e-5)
+    for out, got in (attend_with_max(q, k, v, 0.7, mask), short_attention(q, k, v, 0.7, mask, need_max=True)):
+        torch.testing.assert_close(got, expected, rtol=2**-20, atol=0)
+        torch.testing.assert_close(out, _explicit_attention(q, k, v, 0.7, mask), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_probe_bf16_inputs_match_sdpa_and_keep_fp32_max():
@@ -143,3 +145,46 @@ def test_probed_attention_rejects_what_it_cannot_do():
         probed_attention(q, q, torch.randn(1, 1, 4, 12), 1.0)
     with pytest.raises(ValueError, match="as many queries as keys"):
         probed_attention(q, torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8), 1.0)
+
+
+def test_short_path_below_the_key_threshold_and_fused_kernel_above(monkeypatch):
+    import openk2.model.attention_core as core
+
+    calls = []
+    real = core.short_attention
+    monkeypatch.setattr(core, "short_attention", lambda *a, **kw: calls.append(a[1].shape[2]) or real(*a, **kw))
+    monkeypatch.setattr(core, "SHORT_MAX_KEYS", 32)
+    q, v = torch.randn(1, 2, 32, 12).bfloat16(), torch.randn(1, 2, 32, 8).bfloat16()
+    attend(q, q, v, 0.3)
+    attend_with_max(q, q, v, 0.3)
+    assert calls == [32, 32]
+    attend(q.float(), q.float(), v.float(), 0.3)  # fp32 keeps the fused kernel
+    q, v = torch.randn(1, 2, 33, 12).bfloat16(), torch.randn(1, 2, 33, 8).bfloat16()
+    attend(q, q, v, 0.3)
+    attend_with_max(q, q, v, 0.3)
+    attend(q[:, :, :5], q[:, :, :20], v[:, :, :20], 0.3)  # causal with fewer queries than keys: SDPA's convention
+    assert calls == [32, 32]
+
+
+def test_short_attention_bf16_matches_the_fused_kernel():
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 4, 64, 48, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(2, 4, 64, 32, generator=g).bfloat16().requires_grad_()
+    grad_out = torch.randn(2, 4, 64, 32, generator=g).bfloat16()
+    results = []
+    for fn in (lambda *a: short_attention(*a)[0], fused_attend):
+        out = fn(q, k, v, 0.15)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
+    for a, b in zip(*results, strict=True):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # each a bf16 rounding or two from the other
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_attention_leaves_the_incoming_gradient_alone(dtype):
+    q = torch.randn(1, 2, 16, 12).to(dtype).requires_grad_()
+    v = torch.randn(1, 2, 16, 8).to(dtype).requires_grad_()
+    grad_out = torch.randn(1, 2, 16, 8).to(dtype)
+    before = grad_out.clone()
+    torch.autograd.grad(short_attention(q, q, v, 0.3)[0], (q, v), grad_out)
+    assert torch.equal(grad_out, before)

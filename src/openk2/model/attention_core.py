@@ -1,16 +1,18 @@
-"""The training-time attention core and the max-logit probe, both without a [T, S] score tensor per head.
+"""The training-time attention core and the max-logit probe; past a few hundred keys without a [T, S] tensor.
 
-`attend` runs SDPA on a fused kernel (flash on CPU and CUDA, memory-efficient with a mask on CUDA). Those
-kernels need equal q/k and v head dims, which MLA does not have (K2: 192 and 128): with unequal dims SDPA falls
-back to its math kernel and materialises softmax(QK^T) [B, H, T, S]. Zero-padding v to the q/k dim (zero
-columns of v give zero output columns, cut off again) keeps the result and reaches the fused kernels for
-~1.5x the P V work. Benchmarks: benchmarks/bench_attention.py, docs/benchmarks.md.
+On CPU in bf16 with at most SHORT_MAX_KEYS keys, `attend` runs `short_attention`: the [T, S] probabilities are small
+there and three matmuls beat the tiled kernel (short_attention.py). Otherwise it runs SDPA on a fused kernel
+(flash on CPU and CUDA, memory-efficient with a mask on CUDA). Those kernels need equal q/k and v head dims,
+which MLA does not have (K2: 192 and 128): with unequal dims SDPA falls back to its math kernel and
+materialises softmax(QK^T) [B, H, T, S]. Zero-padding v to the q/k dim (zero columns of v give zero output
+columns, cut off again) keeps the result and reaches the fused kernels for ~1.5x the P V work. Benchmarks:
+benchmarks/bench_attention.py, benchmarks/bench_short_attention.py, docs/benchmarks.md.
 
 `head_max_logits` is the probe QK-Clip reads (K2 report, Algorithm 1: S_max^h): each head's max scaled, masked
 pre-softmax logit, computed in fp32 over blocks of query rows, skipping keys a causal mask hides, so its
 temporary is [H, rows, S] (a bounded budget), never [H, T, S]. `attend_with_max` gives output and max at once:
-on CPU one fused pass (`probed_attention`: the max is a by-product of the forward's own logits), elsewhere
-`attend` plus `head_max_logits`.
+on CPU one pass (`short_attention` or `probed_attention`: the max is a by-product of the forward's own logits),
+elsewhere `attend` plus `head_max_logits`.
 
 Shape legend: B batch, H heads, T query length, S key length, K q/k head dim, V v head dim.
 """
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from openk2.model.probed_attention import probed_attention
+from openk2.model.short_attention import SHORT_MAX_KEYS, short_attention
 
 # Bytes of fp32 logits one probe block may hold: 64 MiB keeps the probe far below the attention's own
 # activations at any length (16k keys, 8 heads: 128 query rows a block).
@@ -29,10 +32,28 @@ MIN_PROBE_ROWS = 16  # below this, per-block Python overhead dominates (K2: 64 h
 MAX_PROBE_ROWS = 128  # causal blocks skip later keys: short blocks do ~(1 + rows / T) / 2 of the full QK^T
 
 
+def takes_short_path(q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+    """Whether attention runs as `short_attention` (CPU, bf16, eager, at most SHORT_MAX_KEYS keys, causal only
+    when as many queries as keys) rather than a fused SDPA kernel. In fp32 it measured 0.85-1.12x the flash
+    kernel at 128-512 keys, for more saved memory, so fp32 keeps the kernel."""
+    return (q_BHTK.device.type == "cpu" and q_BHTK.dtype == torch.bfloat16 and k_BHSK.shape[2] <= SHORT_MAX_KEYS
+            and (attn_mask is not None or q_BHTK.shape[2] == k_BHSK.shape[2])
+            and not torch.compiler.is_compiling())
+
+
 def attend(q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, v_BHSV: torch.Tensor, scale: float,
            attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v [B, H, T, V], causal unless `attn_mask` [B, 1, T, S] bool (True = may
-    attend); v is zero-padded to the q/k head dim (or q, k to v's) so SDPA can use a fused kernel."""
+    attend); few keys on CPU in bf16: `short_attention`; else v is zero-padded to the q/k head dim (or q, k to v's) so
+    SDPA can use a fused kernel."""
+    if takes_short_path(q_BHTK, k_BHSK, attn_mask):
+        return short_attention(q_BHTK, k_BHSK, v_BHSV, scale, attn_mask)[0]
+    return fused_attend(q_BHTK, k_BHSK, v_BHSV, scale, attn_mask)
+
+
+def fused_attend(q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, v_BHSV: torch.Tensor, scale: float,
+                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`attend` on SDPA's fused kernels at any length: v zero-padded to the q/k head dim (or q, k to v's)."""
     qk_dim, v_dim = q_BHTK.shape[-1], v_BHSV.shape[-1]
     if v_dim < qk_dim:
         v_BHSV = F.pad(v_BHSV, (0, qk_dim - v_dim))
@@ -80,7 +101,10 @@ def attend_with_max(q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, v_BHSV: torch.Te
                     attn_mask: torch.Tensor | None = None,
                     need_max: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attend` and each head's max scaled, masked logit [H] (fp32; None if not `need_max` and not free). On CPU
-    one fused pass (`probed_attention`, the max is free); elsewhere `attend` plus the blockwise probe."""
+    one fused pass (`short_attention` for few keys, else `probed_attention`: the max is free); elsewhere `attend`
+    plus the blockwise probe."""
+    if takes_short_path(q_BHTK, k_BHSK, attn_mask):
+        return short_attention(q_BHTK, k_BHSK, v_BHSV, scale, attn_mask, need_max=need_max)
     if q_BHTK.device.type == "cpu" and q_BHTK.shape[-1] >= v_BHSV.shape[-1] and (
             attn_mask is not None or q_BHTK.shape[2] == k_BHSK.shape[2]):
         return probed_attention(q_BHTK, k_BHSK, v_BHSV, scale, attn_mask)

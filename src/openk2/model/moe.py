@@ -1,7 +1,8 @@
 """Sparse MoE (DeepSeek-V3 / K2): sigmoid router with aux-loss-free balancing bias, routed experts held as
 3-D weights and run with a grouped matmul over expert-sorted tokens, plus shared expert(s).
 
-Shape legend: N tokens (B*T), D hidden, E routed experts, K experts per token, I expert width, G groups.
+Shape legend: N tokens (B*T), D hidden, E routed experts, K experts per token, I expert width, G groups,
+M (token, expert) rows (N*K), P rows once each expert's group is padded (aligned_rows).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from openk2.model.routing import FREE, RoutingTrace
 from openk2.model.stats import ForwardStats
 
 IDLE_SKIP_ROWS = 2  # below this many (token, expert) rows per expert on CPU, run only the experts that got rows
+# bf16 on CPU: each expert's rows are padded (zero rows) to a multiple of this. oneDNN builds a kernel per matmul
+# shape and caches 1,024; every per-expert row count x 6 matmul layouts overflowed it, so kernels were rebuilt
+# every step. 16 measured best of 16/32/64 (benchmarks/bench_experts.py, docs/benchmarks.md).
+CPU_ALIGN_ROWS = 16
 
 
 @dataclass
@@ -87,6 +92,28 @@ def grouped_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, offsets: torch.Tenso
     return torch.cat(outs, dim=0) if outs else x_MI.new_zeros(0, w_EIO.shape[-1])
 
 
+def aligns_rows(x_ND: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the experts pad their rows to CPU_ALIGN_ROWS: bf16 on CPU in eager mode (oneDNN's per-shape
+    kernels; fp32 measured 0.92x aligned; under compile the row count must not depend on the data)."""
+    return x_ND.device.type == "cpu" and dtype == torch.bfloat16 and not torch.compiler.is_compiling()
+
+
+def aligned_rows(experts_M: torch.Tensor, token_of_row: torch.Tensor, counts_E: torch.Tensor, pad_token: int,
+                 align: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expert-sorted rows (experts_M [M] non-decreasing, token_of_row [M]) laid out with each expert's group
+    padded to a multiple of `align` (CPU_ALIGN_ROWS): the token of each padded row [P] (`pad_token` for
+    padding), each sorted row's padded position [M], and the padded groups' row ends [E] (int32)."""
+    align = CPU_ALIGN_ROWS if align is None else align
+    padding_E = (-counts_E) % align
+    ends_E = (counts_E + padding_E).cumsum(0)
+    # A row moves down by the padding of the groups before its own: the exclusive cumsum of padding_E.
+    shift_E = padding_E.cumsum(0) - padding_E
+    dest_M = torch.arange(experts_M.shape[0], device=experts_M.device) + shift_E[experts_M]
+    total = int(ends_E[-1]) if ends_E.numel() else 0  # a host read: this layout is CPU-only
+    rows_P = torch.full((total,), pad_token, dtype=token_of_row.dtype, device=token_of_row.device)
+    return rows_P.index_copy_(0, dest_M, token_of_row), dest_M, ends_E.to(torch.int32)
+
+
 class RoutedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: gate_proj/up_proj [E, I, D], down_proj [E, D, I]."""
 
@@ -127,6 +154,8 @@ class RoutedExperts(nn.Module):
         counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         offsets = counts_E.cumsum(0).to(torch.int32)
         dtype = torch.get_autocast_dtype(x_ND.device.type) if torch.is_autocast_enabled() else x_ND.dtype
+        if self.use_grouped_mm and aligns_rows(x_ND, dtype) and n * k >= counts_E.numel() * IDLE_SKIP_ROWS:
+            return self._aligned_forward(x_ND.to(dtype), routing, order, token_of_row, counts_E), counts_E
         # index_select, not x_ND[token_of_row]: its backward is one index_add, not a sorting index_put.
         x_MD = x_ND.index_select(0, token_of_row).to(dtype)
         if self.use_grouped_mm and x_MD.device.type == "cpu" and 0 < n * k < counts_E.numel() * IDLE_SKIP_ROWS:
@@ -138,6 +167,21 @@ class RoutedExperts(nn.Module):
         y_MD = y_MD * routing.weights_NK.reshape(-1)[order, None].to(y_MD.dtype)
         out = torch.zeros(n, y_MD.shape[-1], dtype=y_MD.dtype, device=y_MD.device)
         return out.index_add_(0, token_of_row, y_MD), counts_E
+
+    def _aligned_forward(self, x_ND: torch.Tensor, routing: Routing, order: torch.Tensor, token_of_row: torch.Tensor,
+                         counts_E: torch.Tensor) -> torch.Tensor:
+        """`forward`'s combined output with each expert's rows padded to CPU_ALIGN_ROWS: padding rows read an
+        appended zero row and are summed into a dropped one, so every real row's products are unchanged."""
+        n, d = x_ND.shape
+        rows_P, dest_M, offsets = aligned_rows(routing.indices_NK.reshape(-1)[order], token_of_row, counts_E, n)
+        x_PD = torch.cat((x_ND, x_ND.new_zeros(1, d))).index_select(0, rows_P)
+        y_PD = self.swiglu(x_PD, offsets)
+        # A padding row's output is exactly zero (zero input) and so is its weight: it adds 0 to the dropped row n.
+        weights_M = routing.weights_NK.reshape(-1)[order]
+        weights_P = weights_M.new_zeros(rows_P.shape[0]).scatter(0, dest_M, weights_M)
+        y_PD = y_PD * weights_P[:, None].to(y_PD.dtype)
+        out = torch.zeros(n + 1, d, dtype=y_PD.dtype, device=y_PD.device)
+        return out.index_add_(0, rows_P, y_PD)[:n]
 
     def begin(self, x_ND: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         """Tokens per expert [E] now and a `finish()` giving the combined output [N, D]: what the caller runs
