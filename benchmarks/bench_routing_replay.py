@@ -11,6 +11,9 @@ seconds of one no-grad training forward with and without replay (R3's cost in th
     python benchmarks/bench_routing_replay.py --seeds 0 1 2 --rollout-dtype fp32   # kernels/batch shapes only
     python benchmarks/bench_routing_replay.py --checkpoint runs/pipeline-tiny/rl/checkpoints/step-0000040 \
         --task arithmetic   # a trained policy (`make demo`) on its own task's prompts, stopping at end of turn
+    python benchmarks/bench_routing_replay.py --checkpoint runs/rl-tools-tiny/checkpoints/step-0000030 \
+        --task lookup --max-tokens 48   # a tool task: multi-turn episodes (tool calls executed, R3 rows for the
+                                        # tool text too), counted over the policy's sampled tokens only
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from openk2.rl import tasks  # noqa: E402
 from openk2.rl.mismatch import mismatch_record  # noqa: E402
 from openk2.rl.rollout import Trajectory  # noqa: E402
 from openk2.rl.routing_replay import replay_trace  # noqa: E402
+from openk2.rl.tasks.tool_task import ToolTask  # noqa: E402
+from openk2.rl.tool_episode import Episode  # noqa: E402
+from openk2.rl.tool_rollout import run_episodes  # noqa: E402
 
 COLUMNS = ("logp_diff_median", "logp_diff_p90", "logp_diff_p99", "logp_diff_max", "logp_diff_mean", "route_agree")
 
@@ -62,7 +68,23 @@ def _prompts(args: argparse.Namespace, vocab: int, seed: int) -> tuple[list[list
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths], []
 
 
+def _episodes(model: K2ForCausalLM, args: argparse.Namespace, seed: int) -> list[Trajectory]:
+    """`--samples` tool episodes of each of `--prompts` problems of the ToolTask `--task`, their routing recorded."""
+    chat, task = ChatFormat(K2Tokenizer.load(args.checkpoint)), tasks.get(args.task)
+    problems = [task.generate(seed * 1000 + i, 1 + i % task.num_difficulties) for i in range(args.prompts)]
+    episodes = [Episode(task, p, chat, args.max_tokens, model.config.max_position_embeddings, task.max_turns)
+                for p in problems for _ in range(args.samples)]
+    run_episodes(model, chat.tokenizer, episodes, [hash((seed, i)) for i in range(len(episodes))], temperature=1.0,
+                 max_batch_size=args.batch, record_routing=True)
+    turns = [ep.traj.turns for ep in episodes]
+    print(f"seed {seed}: {len(episodes)} episodes, {sum(turns) / len(turns):.2f} turns each, "
+          f"{sum(ep.traj.tool_calls for ep in episodes)} tool calls, reward {sum(ep.traj.reward for ep in episodes)}")
+    return [ep.traj for ep in episodes]
+
+
 def _rollout(model: K2ForCausalLM, args: argparse.Namespace, seed: int) -> list[Trajectory]:
+    if args.task and isinstance(tasks.get(args.task), ToolTask):
+        return _episodes(model, args, seed)
     prompts, stop_ids = _prompts(args, model.config.vocab_size, seed)
     engine = Engine(model, max_batch_size=args.batch, max_seq_len=max(map(len, prompts)) + args.max_tokens,
                     record_routing=True)

@@ -1,13 +1,23 @@
 """Self-critique in the loop: the rubric reward with its reward-hacking guard, and the critic's verifiable task
 built from verified groups (closed-loop refinement)."""
 
+import random
 import re
 import time
 
 import pytest
 
+from openk2.rl.config import load_rl_config
 from openk2.rl.critic import SelfCritic
-from openk2.rl.critic_compact import COMPACT_FORMAT, CompactFormat, compact_prompt, question_text
+from openk2.rl.critic_compact import (
+    COMPACT_FORMAT,
+    CompactFormat,
+    compact_prompt,
+    question_text,
+    slipped_solution,
+    verdict_example,
+)
+from openk2.rl.critic_env import warmup_example
 from openk2.rl.critic_loop import (
     LOOP_RUBRICS,
     CriticRefinementTask,
@@ -18,6 +28,7 @@ from openk2.rl.critic_loop import (
 )
 from openk2.rl.tasks.arithmetic import ArithmeticTask
 from openk2.rl.tasks.base import extract_answer
+from openk2.rl.warmup import sft_example, worked_solution
 from tests.rl.tasks.fakes import FakeChat
 
 from .test_critic import _pair, _verifying_critic
@@ -147,3 +158,23 @@ def test_compact_comparisons_fit_a_small_policy_and_score_against_the_verifier()
     assert len(hostile) < 400  # responses are cut, so a huge one cannot blow the critic's context
     with pytest.raises(ValueError, match="max_chars"):
         CompactFormat(max_chars=0)
+
+
+def test_warm_up_verdicts_pick_the_worked_solution_in_either_order():
+    task, letters = ArithmeticTask(), set()
+    for seed in range(60):
+        problem = task.generate(seed, 3)
+        (prompt, trained_prompt), (target, trained) = verdict_example(problem)
+        assert not trained_prompt and trained and target.startswith("Answer: ")
+        a, b = re.search(r"\nA: (.*)\nB: (.*)\nWhich", prompt, re.DOTALL).groups()
+        right = worked_solution(problem.data["expression"])
+        letter = target.removeprefix("Answer: ")[0]
+        assert (a, b)[letter == "B"] == right and extract_answer((a, b)[letter == "A"]) != extract_answer(right)
+        letters.add(letter)
+    assert letters == {"A", "B"}
+    assert slipped_solution("0", random.Random(0)) == "Answer: 1"
+    mixed = warmup_example(0.25)
+    shares = [mixed(task.generate(s, 3)) != sft_example(task.generate(s, 3)) for s in range(400)]
+    assert 0.15 < sum(shares) / len(shares) < 0.35 and warmup_example(0.0) is sft_example
+    with pytest.raises(ValueError, match=r"warmup.verdict_share must be in \[0, 1\), got 1.0"):
+        load_rl_config(None, ["warmup.verdict_share=1.0"])

@@ -189,3 +189,55 @@ def test_short_run_trains_the_critic_on_policy_and_resumes(tmp_path):
     resumed = RLTrainer(cfg, out, resume=True)
     assert [vars(p) for p in resumed.critic.critics[0].task.pool] == state["pools"]["critic"]["pool"]
     assert resumed.critic.evaluate(resumed.inference)["critic_eval_comparisons"] == len(state["held_out"]["critic"])
+
+
+def test_an_eval_only_mixture_is_refused_and_the_key_is_checked(tmp_path):
+    only = '\n[[envs]]\nname = "arithmetic"\neval_only = true\n'
+    path = tmp_path / "only.toml"
+    path.write_text(f'base = "{CONFIG.as_posix()}"\n{only}')
+    with pytest.raises(ValueError, match="every \\[\\[envs\\]\\] entry is eval_only"):
+        build_mixture(load_rl_config(path, MICRO), 0, build_loop_env)
+    path.write_text(f'base = "{CONFIG.as_posix()}"\n{only.replace("true", chr(34) + "yes" + chr(34))}')
+    with pytest.raises(ValueError, match="envs\\[0\\].eval_only must be true or false"):
+        load_rl_config(path, MICRO)
+
+
+CONTROL = """base = "{base}"
+
+[[envs]]
+name = "arithmetic"
+difficulties = [2]
+weight = 0.5
+eval_problems = 4
+
+[[envs]]
+name = "coin"
+task = "critic-test-coin"
+eval_problems = 6
+
+[[envs]]
+name = "critic"
+task = "critic"
+weight = 3.0
+eval_problems = 6
+eval_only = true
+"""
+
+
+@pytest.mark.slow
+def test_an_eval_only_critic_is_evaluated_and_never_trained_on(tmp_path):
+    tasks.register("critic-test-coin", CoinTask)
+    path = tmp_path / "control.toml"
+    path.write_text(CONTROL.format(base=CONFIG.as_posix()))
+    cfg = load_rl_config(path, [*MICRO, "rollout.segment_tokens=0", "rollout.prompts_per_iteration=4",
+                                "train.iterations=3", "train.eval_every=3", "train.checkpoint_every=3"])
+    out = tmp_path / "run"
+    trainer = RLTrainer(cfg, out)
+    trainer.run()
+    records = read_metrics(out)
+    assert records[0]["critic_eval_comparisons"] > 0 and 0.0 <= records[3]["critic_accuracy"] <= 1.0
+    assert records[1]["critic_pool"] > 0 and records[3]["critic_pool"] > records[1]["critic_pool"]  # still observed
+    assert not any("groups_trained/critic" in r or "critic_accuracy_sampled" in r for r in records)
+    skipped = sum(r["groups_not_started"] for r in records[1:])  # drawn for the critic (3 of 4.5), not started
+    assert skipped > 0 and sum(r["groups_trained"] for r in records[1:]) == 3 * 4 - skipped
+    assert trainer.next_group == 3 * 4  # its draws use up their group ids: the other envs' problems are unchanged

@@ -1,5 +1,8 @@
 """Ray placement: real Ray actors as rollout workers, fed by the checkpoint engine over a gloo group, reproduce
-the colocated loop bit for bit; a killed worker is a one-line error in the driver, not a hang."""
+the colocated loop bit for bit on a mixture of arithmetic (partial rollout) and the multi-turn lookup tool
+environment (its episodes played on the workers); the workers run on another Ray node than the trainer (a
+two-node `ray.cluster_utils.Cluster` on this machine); a killed worker is a one-line error in the driver, not a
+hang."""
 
 import math
 import os
@@ -17,6 +20,7 @@ from openk2.rl.group_split import merge_groups, split_groups
 from openk2.rl.placement import RolloutWorkerError
 from openk2.rl.ray_worker import state_digest
 from openk2.rl.rollout import new_group
+from openk2.rl.routing_replay import expected_rows
 from openk2.rl.tasks import Problem
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "rl-tiny.toml"
@@ -28,9 +32,27 @@ MICRO = [  # the shipped config shrunk to seconds; level-1 problems so that the 
     "rollout.temperature_decay_iterations=4", "train.iterations=4", "train.threads=1",
     "rollout.worker_timeout_s=60",
 ]
+MIXTURE = """base = "{base}"
+
+[model]
+max_position_embeddings = 320  # the tool declaration, the question and up to three turns with their results
+
+[[envs]]
+name = "arithmetic"
+difficulties = [1]
+
+[[envs]]
+name = "lookup"
+difficulties = [1]
+max_tokens = 40
+max_turns = 3
+eval_problems = 4
+"""
 ITERATIONS = 3
 KEYS = ("reward_mean", "reward_penalised_mean", "new_tokens", "paused", "resumed", "groups_trained", "updates",
         "response_len", "loss", "entropy")
+TOOL_KEYS = ("reward_mean/lookup", "groups_trained/lookup", "response_len/lookup", "tool_calls/lookup",
+             "malformed_rate/lookup", "turns/lookup", "answered/lookup")  # the episodes: the same on every placement
 
 
 def _problem(i: int) -> Problem:
@@ -107,17 +129,23 @@ def test_trainer_import_does_not_import_ray():
 # ---------------------------------------------------------------------- real Ray workers
 
 
-def _run(tmp: Path, extra: list[str], keep_open: bool = False):
+def _run(tmp: Path, config: Path, extra: list[str], keep_open: bool = False):
+    import ray
+
     from openk2.rl.trainer import RLTrainer
 
-    trainer = RLTrainer(load_rl_config(CONFIG, MICRO + extra), tmp)
+    trainer = RLTrainer(load_rl_config(config, MICRO + extra), tmp)
     start_digest = state_digest(trainer.policy)
     start_weights = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
     trained: list = []  # the token ids and sampling log-probs of every group the loss saw, in order
     train = trainer._train
 
+    tool_turns: list = []  # each trained tool episode: (turns, tokens the environment wrote, routing complete)
+
     def spy(groups):
         trained.append([(g.group_id, [(t.token_ids, t.logprobs) for t in g.trajectories]) for g in groups])
+        tool_turns.extend((t.turns, t.mask.count(0), len(t.routing) == expected_rows(t))
+                          for g in groups if g.env == "lookup" for t in g.trajectories)
         return train(groups)
 
     trainer._train = spy
@@ -128,7 +156,10 @@ def _run(tmp: Path, extra: list[str], keep_open: bool = False):
            "weights": {k: v.clone() for k, v in trainer.policy.state_dict().items()}, "start_weights": start_weights,
            "inference": state_digest(trainer.inference), "seconds": seconds, "trained": trained,
            "paused": [[t.token_ids for t in g.trajectories] for g in trainer.rollout.paused],
-           "workers": trainer.placement.digests() if extra else []}
+           "workers": trainer.placement.digests() if extra else [], "tool_turns": tool_turns,
+           "driver_node": ray.get_runtime_context().get_node_id(),
+           "worker_nodes": sorted(ray.util.placement_group_table(trainer.placement.group)["bundles_to_node_id"]
+                                  .values()) if extra else []}
     if keep_open:
         return run, trainer
     trainer.close()
@@ -138,17 +169,27 @@ def _run(tmp: Path, extra: list[str], keep_open: bool = False):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
+    from ray.cluster_utils import Cluster
+
     threads = torch.get_num_threads()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # two Ray nodes on this machine: the head, where this driver (the trainer) runs, offers no CPU, so the rollout
+    # workers' bundles can only be placed on the second node (its own raylet and object store)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster.add_node(num_cpus=2)
     try:
+        ray.init(address=cluster.address, log_to_driver=False)
         root = tmp_path_factory.mktemp("ray")
-        colocated = _run(root / "colocated", [])
-        one = _run(root / "ray1", ["rollout.placement='ray'"])
-        two, trainer = _run(root / "ray2", ["rollout.placement='ray'", "rollout.num_workers=2"], keep_open=True)
-        yield {"colocated": colocated, "ray1": one, "ray2": two, "trainer": trainer}
+        config = root / "mixture.toml"
+        config.write_text(MIXTURE.format(base=CONFIG.as_posix()))
+        colocated = _run(root / "colocated", config, [])
+        one = _run(root / "ray1", config, ["rollout.placement='ray'"])
+        two, trainer = _run(root / "ray2", config, ["rollout.placement='ray'", "rollout.num_workers=2"],
+                            keep_open=True)
+        yield {"colocated": colocated, "ray1": one, "ray2": two, "trainer": trainer, "head": cluster.head_node.node_id}
         trainer.close()
     finally:
         ray.shutdown()
+        cluster.shutdown()
         torch.set_num_threads(threads)
 
 
@@ -161,8 +202,11 @@ def _check_run(ref: dict, got: dict, exact: tuple[str, ...], close: tuple[str, .
     assert ref["trained"] and all(batch for batch in ref["trained"])
     assert any(r.get("updates") for r in ref["records"]) and ref["policy"] != ref["start"]  # not vacuous: it trained
     assert any(r["paused"] for r in ref["records"]) and any(r["resumed"] for r in ref["records"])  # partial rollout
+    assert any(turns > 1 and written for turns, written, _ in ref["tool_turns"])  # multi-turn, with tool text
+    assert all(complete for _, _, complete in ref["tool_turns"])  # R3 records (the monitor is on), from the workers
+    assert got["tool_turns"] == ref["tool_turns"]
     for i, (a, b) in enumerate(zip(ref["records"], got["records"], strict=True)):
-        for key in exact:
+        for key in exact + TOOL_KEYS:
             assert _same(a.get(key, math.nan), b.get(key, math.nan)), (i, key, a.get(key), b.get(key))
         for key in close:
             if key in a:
@@ -200,6 +244,18 @@ def test_two_ray_workers_equal_colocated_within_rounding(runs):
     # measured: |w_ray2 - w_colocated| / |w_colocated - w_start| = 0.35% after 3 iterations (max element 8e-5
     # against a largest update of 6e-4); Muon's orthogonalised step spreads last-bit gradient differences
     assert float(apart.norm() / update.norm()) < 0.02
+
+
+@pytest.mark.slow
+def test_workers_run_on_another_ray_node_and_the_weight_sync_crosses_it(runs):
+    """The trainer (this driver) is on the head node, every rollout worker on the second node; the gloo weight
+    sync between them delivered every update bit-exact (_check_run compares the workers' digests)."""
+    for name in ("ray1", "ray2"):
+        run = runs[name]
+        assert run["driver_node"] == runs["head"]
+        assert len(run["worker_nodes"]) == (1 if name == "ray1" else 2)
+        assert runs["head"] not in run["worker_nodes"]
+        assert run["workers"] == [run["policy"]] * len(run["workers"])
 
 
 @pytest.mark.slow

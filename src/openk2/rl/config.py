@@ -46,10 +46,15 @@ class WarmupSection:
     probe_every: int = 10
     probe_low: float = 0.2
     probe_high: float = 0.6
+    # share of the arithmetic warm-up's examples written as worked compact critic verdicts instead (the right
+    # letter for a worked solution against a slipped one; rl/critic_compact.py); 0: worked solutions only
+    verdict_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError("warmup.steps must be >= 0, warmup.batch_size >= 1 and warmup.lr > 0")
+        if not 0.0 <= self.verdict_share < 1.0:
+            raise ValueError(f"warmup.verdict_share must be in [0, 1), got {self.verdict_share}")
         if self.probe_problems < 0 or self.probe_every < 1 or not 0.0 <= self.probe_low <= self.probe_high <= 1.0:
             raise ValueError("warmup.probe_problems must be >= 0, probe_every >= 1 and 0 <= probe_low <= probe_high "
                              f"<= 1, got {self.probe_problems}, {self.probe_every}, {self.probe_low}, "
@@ -62,10 +67,13 @@ class TaskSection:
     difficulties: list[int] = field(default_factory=lambda: [1, 2, 3])  # levels problems are drawn from
     eval_problems: int = 128  # held-out problems (their expressions never appear in warm-up or RL prompts)
     eval_samples: int = 1  # samples per held-out problem at T = 1 (eval_reward_sampled is their mean reward)
+    eval_seed: int = -1  # seed of the held-out draw; -1: train.seed (fix it to compare runs of several seeds)
 
     def __post_init__(self) -> None:
         if not self.difficulties:
             raise ValueError("task.difficulties must name at least one level")
+        if self.eval_seed < -1:
+            raise ValueError(f"task.eval_seed must be >= 0, or -1 for train.seed; got {self.eval_seed}")
         if self.eval_problems < 1 or self.eval_samples < 1:
             raise ValueError("task.eval_problems and task.eval_samples must be >= 1")
 
@@ -88,6 +96,9 @@ class EnvSection:
     # (compact or rubric prompt; rl/critic_env.py). `task = "critic"` makes the critic's own environment.
     reward: str = "verifier"
     max_turns: int = 0  # a tool task's assistant turns per episode (rl/tool_episode.py); 0: the task's own
+    # evaluated but never trained on: the new groups drawn for it are not started (the other envs keep the
+    # problems they draw when it trains); a critic env still observes and evaluates (docs/rl.md, the control)
+    eval_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -238,6 +249,10 @@ class RLConfig:
     train: TrainSection = field(default_factory=TrainSection)
     envs: list[EnvSection] = field(default_factory=list)  # [[envs]]; empty: the one environment [task]
     out_dir: str = "runs/rl-tiny"
+
+    def held_out_seed(self) -> int:
+        """The seed the held-out problems are drawn with: `task.eval_seed`, or `train.seed` when it is -1."""
+        return self.task.eval_seed if self.task.eval_seed >= 0 else self.train.seed
 
     def environments(self) -> list[EnvSection]:
         """The mixture: the [[envs]] entries, or one environment made of [task]."""

@@ -23,10 +23,14 @@ depend on the critic and apply as they do with the rubric prompt.
 
 from __future__ import annotations
 
+import random
+import re
 from collections.abc import Sequence
 
+from openk2.chat.template import IM_END
 from openk2.rl.critic import CriticFormat, Rubric
-from openk2.rl.tasks.base import ANSWER_INSTRUCTION, extract_answer
+from openk2.rl.tasks.base import ANSWER_INSTRUCTION, Problem, extract_answer
+from openk2.rl.warmup import Example, chat_prompt, sft_example, worked_solution
 
 MAX_RESPONSE_CHARS = 160  # each response is cut to this many characters (the tiny policy's answers are ~40)
 QUESTION = 'Which response is right? Finish with a last line of the form "Answer: A" or "Answer: B".'
@@ -85,4 +89,35 @@ class CompactFormat(CriticFormat):
 
 COMPACT_FORMAT = CompactFormat()
 
-__all__ = ["COMPACT_FORMAT", "CompactFormat", "compact_prompt", "compact_verdict", "question_text"]
+
+# ---------------------------------------------------------------------- worked verdicts for the warm-up
+def slipped_solution(expression: str, rng: random.Random) -> str | None:
+    """A worked solution with one slip: the solution of `expression` with one operand off by one, whose final
+    answer differs from the right one (None when no such slip exists)."""
+    operands = list(re.finditer(r"\d+", expression))
+    right = extract_answer(worked_solution(expression))
+    for match in rng.sample(operands, len(operands)):
+        value = int(match.group())
+        for slip in rng.sample([value - 1, value + 1], 2) if value > 0 else [value + 1]:
+            wrong = worked_solution(expression[: match.start()] + str(slip) + expression[match.end():])
+            if extract_answer(wrong) != right:
+                return wrong
+    return None
+
+
+def verdict_example(problem: Problem) -> Example:
+    """A worked compact verdict on an arithmetic `problem`: its worked solution against a slipped one, in an order
+    chosen by the problem's seed, and the right letter (the verdict format taught before RL); the plain
+    worked-solution example when no slip changes the answer."""
+    rng = random.Random(problem.seed)
+    right = worked_solution(problem.data["expression"])
+    wrong = slipped_solution(problem.data["expression"], rng)
+    if wrong is None:
+        return sft_example(problem)
+    first, second, letter = (right, wrong, "A") if rng.random() < 0.5 else (wrong, right, "B")
+    prompt = chat_prompt(Problem(compact_prompt(problem.prompt, first, second)))
+    return [(prompt, False), (f"Answer: {letter}{IM_END}", True)]
+
+
+__all__ = ["COMPACT_FORMAT", "CompactFormat", "compact_prompt", "compact_verdict", "question_text",
+           "slipped_solution", "verdict_example"]

@@ -35,11 +35,12 @@ from openk2.infer.engine import Engine
 from openk2.infer.sampling import SamplingParams
 from openk2.rl.config import EnvSection, RLConfig
 from openk2.rl.critic import RUBRIC_FORMAT, CriticFormat, SelfCritic
-from openk2.rl.critic_compact import COMPACT_FORMAT
+from openk2.rl.critic_compact import COMPACT_FORMAT, verdict_example
 from openk2.rl.critic_loop import LOOP_RUBRICS, CriticRefinementTask, SelfCritiqueReward
 from openk2.rl.mixture import MixtureEnv
 from openk2.rl.rollout import Group
 from openk2.rl.tasks import Problem
+from openk2.rl.warmup import Example, sft_example
 
 CRITIC_TASKS: dict[str, CriticFormat] = {"critic": COMPACT_FORMAT, "critic-rubric": RUBRIC_FORMAT}
 SELF_CRITIQUE_REWARDS: dict[str, CriticFormat] = {"self-critique": COMPACT_FORMAT,
@@ -74,6 +75,19 @@ def build_loop_env(spec: EnvSection, cfg: RLConfig, seed: int) -> MixtureEnv | N
     task = CriticRefinementTask(LOOP_RUBRICS, max_pool=POOL_SIZE, seed=seed + SEED_OFFSET, fmt=fmt,
                                 max_tokens=budget)
     return CriticEnv(spec, task, budget, [])
+
+
+def warmup_example(verdict_share: float) -> Callable[[Problem], Example]:
+    """The warm-up's example writer: worked solutions, with `verdict_share` of the problems (chosen by their
+    seed) written as worked compact verdicts instead (`critic_compact.verdict_example`)."""
+    if verdict_share == 0:
+        return sft_example
+
+    def example(problem: Problem) -> Example:
+        chosen = random.Random(problem.seed + SEED_OFFSET).random() < verdict_share
+        return verdict_example(problem) if chosen else sft_example(problem)
+
+    return example
 
 
 def generate_texts(model: torch.nn.Module, tokenizer: K2Tokenizer, stop_id: int,
@@ -226,4 +240,4 @@ class CriticLoop:
 
 
 __all__ = ["CRITIC_TASKS", "SELF_CRITIQUE_REWARDS", "CriticEnv", "CriticLoop", "PolicyCritic", "build_loop_env",
-           "generate_texts"]
+           "generate_texts", "warmup_example"]

@@ -4,7 +4,9 @@ share of the new groups, its own response budget, its difficulty curriculum and 
 Every new group draws its environment by weight, from a seed of its own (run seed, group id), so a resumed
 run and a fresh one draw the same environments and problems; a one-environment mixture draws the same
 problems as the loop did before it had a mixture. The held-out problems of an environment are excluded from
-its training stream (and from the supervised warm-up's).
+its training stream (and from the supervised warm-up's). An `eval_only` entry keeps its share of the draws, but
+the groups drawn for it are not started: the other environments get the same problems as when it trains, and it
+is evaluated without being trained on (the critic's control run, docs/rl.md).
 
 An entry whose task is a `ToolTask` (e.g. `lookup`) is a multi-turn tool environment: the trainer gives it a
 `ToolRollout` (`MixtureEnv.tools`), which plays its groups as episodes with executed tool calls instead of
@@ -46,6 +48,11 @@ class MixtureEnv:
         """Whether new groups may be drawn from it now (the critic's waits for its first comparisons)."""
         return True
 
+    @property
+    def trains(self) -> bool:
+        """False for an `eval_only` entry: evaluated, but the groups drawn for it are not started."""
+        return not self.spec.eval_only
+
     def draw(self, seed: int, iteration: int) -> Problem:
         """The training problem for a group seeded `seed`, at the curriculum's levels of `iteration`."""
         return next(problems(self.task, self.spec.levels_at(iteration), seed, self.exclude))
@@ -54,7 +61,7 @@ class MixtureEnv:
 def build_mixture(cfg: RLConfig, seed: int,
                   build_special: Callable[[EnvSection, RLConfig, int], MixtureEnv | None] | None = None,
                   ) -> list[MixtureEnv]:
-    """The run's environments, with held-out problems drawn from a stream of their own (seed + 10_000);
+    """The run's environments, with held-out problems drawn from a stream of their own (held-out seed + 10_000);
     `build_special` builds the entries that are not tasks (e.g. `critic_env.build_loop_env`), None for others."""
     envs = []
     for spec in cfg.environments():
@@ -65,8 +72,10 @@ def build_mixture(cfg: RLConfig, seed: int,
         task = tasks.get(spec.task_name)
         budget = spec.max_tokens or cfg.rollout.max_tokens or task.max_tokens
         count = spec.eval_problems or cfg.task.eval_problems
-        held_out = held_out_problems(task, spec.difficulties, count, seed)
+        held_out = held_out_problems(task, spec.difficulties, count, cfg.held_out_seed())
         envs.append(MixtureEnv(spec, task, budget, held_out, {p.prompt for p in held_out}))
+    if not any(e.trains for e in envs):
+        raise ValueError("every [[envs]] entry is eval_only: the mixture has nothing to train on")
     return envs
 
 

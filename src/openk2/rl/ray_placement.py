@@ -7,8 +7,10 @@ CPUs, `worker_num_gpus` GPUs). The driver (rank 0) and the workers (ranks 1..N) 
 own (`rl/sync_group.py`: gloo, or nccl when the policy and the workers are on CUDA; not the default group, which
 the training code reduces over) whose store listens on a free port of the driver's node. Every weight update is
 one `CheckpointEngine.broadcast` from rank 0, which also refreshes the driver's own inference copy (held for
-evaluation). Through Ray go only small things: the model config, the tokenizer files, the groups' token ids and
-log-probs, and the stats.
+evaluation). Through Ray go only small things: the model config, the tokenizer files, the tool environments'
+specs (task names and budgets), the groups' token ids and log-probs (and routing records), and the stats.
+Multi-turn tool groups are split like the others and played to their end on the workers in the same call, after
+the single-turn groups, as the colocated placement does; the driver copies the episodes back into its groups.
 
 A worker that dies or raises surfaces in the driver as a one-line `RolloutWorkerError` naming the worker; Ray calls wait
 at most `worker_timeout_s`, and so does the weight-sync group.
@@ -32,6 +34,7 @@ from openk2.rl.group_split import RolloutWorkerError, merge_groups, merge_stats,
 from openk2.rl.ray_worker import RolloutWorker, tokenizer_files
 from openk2.rl.rollout import Group, PartialRollout, RolloutStats
 from openk2.rl.sync_group import StandaloneGroup, open_store
+from openk2.rl.tool_rollout import ToolRollout
 
 
 def _one_line(err: BaseException) -> str:
@@ -47,7 +50,8 @@ class RayPlacement:
     """`num_workers` rollout actors in a placement group; the trainer in this process broadcasts to them."""
 
     def __init__(self, rc: RolloutSection, policy: torch.nn.Module, inference: torch.nn.Module, tokenizer,
-                 rollout: PartialRollout, *, bucket_bytes: int, threads: int = 0) -> None:
+                 rollout: PartialRollout, *, bucket_bytes: int, threads: int = 0,
+                 tools: Mapping[str, ToolRollout] | None = None) -> None:
         self.partial = rollout
         self.timeout_s = rc.worker_timeout_s
         self._owns_ray = not ray.is_initialized()
@@ -74,12 +78,13 @@ class RayPlacement:
                       f"(cluster resources: {ray.cluster_resources()})")
             actor = ray.remote(RolloutWorker)
             files = tokenizer_files(tokenizer)
+            specs = {name: t.spec() for name, t in (tools or {}).items()}  # rebuilt in each worker
             for i in range(rc.num_workers):
                 strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i)
                 self.workers.append(actor.options(num_cpus=rc.worker_num_cpus, num_gpus=gpus, max_restarts=0,
                                                   scheduling_strategy=strategy).remote(
                     policy.config, files, _stateless(rollout), inference_dtype=rc.inference_dtype,
-                    device="cuda" if gpus > 0 else "cpu", threads=threads))
+                    device="cuda" if gpus > 0 else "cpu", threads=threads, tools=specs))
             self.pids = self._get([w.pid.remote() for w in self.workers], "starting the rollout workers")
             host, world = ray.util.get_node_ip_address(), rc.num_workers + 1
             store = open_store(host, world, self.timeout_s)  # on a free port, before anyone connects
@@ -96,16 +101,23 @@ class RayPlacement:
             raise
 
     # ------------------------------------------------------------------ the two phases
-    def rollout(self, new_groups: Sequence[Group], *, iteration: int, version: int,
-                temperature: float) -> tuple[list[Group], RolloutStats]:
-        """Resume the paused groups and start `new_groups`, split across the workers by group id."""
+    def rollout(self, new_groups: Sequence[Group], *, iteration: int, version: int, temperature: float,
+                tool_groups: Sequence[Group] = ()) -> tuple[list[Group], RolloutStats]:
+        """Resume the paused groups and start `new_groups`, then play `tool_groups` (their episodes copied back
+        into these groups), all split across the workers by group id."""
         groups = self.partial.paused + list(new_groups)
-        shares = split_groups(groups, len(self.workers))
-        calls = {w.rollout.remote(share, iteration, version, temperature): f"rollout worker {i}"
-                 for i, (w, share) in enumerate(zip(self.workers, shares, strict=True)) if share}
+        shares, tool_shares = split_groups(groups, len(self.workers)), split_groups(tool_groups, len(self.workers))
+        calls = {w.rollout.remote(share, iteration, version, temperature, tools): f"rollout worker {i}"
+                 for i, (w, share, tools) in enumerate(zip(self.workers, shares, tool_shares, strict=True))
+                 if share or tools}
         results = self._wait_all(calls)
         done, self.partial.paused = merge_groups([g.group_id for g in groups], [g for r in results for g in r[0]])
-        return done, merge_stats([r[1] for r in results], len(done))
+        played, _ = merge_groups([g.group_id for g in tool_groups], [g for r in results for g in r[1]])
+        if len(played) != len(tool_groups):
+            raise RolloutWorkerError("rollout workers returned unfinished tool episodes")
+        for mine, theirs in zip(tool_groups, played, strict=True):
+            mine.trajectories = theirs.trajectories
+        return done, merge_stats([r[2] for r in results], len(done))
 
     def sync(self, policy_state: Mapping[str, torch.Tensor]) -> BroadcastStats:
         """Broadcast the trainer's weights to every worker (and into the driver's inference copy).

@@ -3,7 +3,9 @@
 `RayPlacement` (rl/ray_placement.py) runs this class as a Ray actor. It joins the weight-sync process group
 as a pure receiver (rank >= 1; the trainer is rank 0), receives every update with `CheckpointEngine.broadcast`
 (the bytes travel over torch.distributed, never through Ray's object store), and runs `PartialRollout` on the
-groups the trainer sends it. It keeps no rollout state between calls: the trainer owns the paused groups.
+groups the trainer sends it, then plays the tool groups' episodes (rl/tool_rollout.py: the environments rebuilt
+from their specs, every world from its problem, the tool calls executed here). It keeps no rollout state between
+calls: the trainer owns the paused groups.
 The class itself imports no Ray, so it can be read and tested as a plain object.
 """
 
@@ -12,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +26,7 @@ from openk2.model import K2ForCausalLM
 from openk2.rl.ckpt_engine import CheckpointEngine, copy_into
 from openk2.rl.rollout import Group, PartialRollout, RolloutStats
 from openk2.rl.sync_group import StandaloneGroup
+from openk2.rl.tool_rollout import ToolRollout, run_tool_groups
 
 
 def tokenizer_files(tokenizer: K2Tokenizer) -> dict[str, bytes]:
@@ -44,7 +49,9 @@ class RolloutWorker:
     """An inference copy of the policy that receives weight updates and samples the groups it is given."""
 
     def __init__(self, model_config: ModelConfig, tokenizer: dict[str, bytes], rollout: PartialRollout, *,
-                 inference_dtype: str = "fp32", device: str = "cpu", threads: int = 0) -> None:
+                 inference_dtype: str = "fp32", device: str = "cpu", threads: int = 0,
+                 tools: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        """`tools`: each tool environment's `ToolRollout.spec()` by environment name."""
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
@@ -58,6 +65,7 @@ class RolloutWorker:
             self.model.to(torch.bfloat16)
         self.state = dict(self.model.state_dict())
         self.partial = rollout
+        self.tools = {name: ToolRollout.from_spec(spec, self.tokenizer) for name, spec in (tools or {}).items()}
         self.group: StandaloneGroup | None = None
         self.engine: CheckpointEngine | None = None
 
@@ -79,15 +87,20 @@ class RolloutWorker:
         assert self.engine is not None, "join() first"
         return self.engine.broadcast({}, copy_into(self.state)).bytes
 
-    def rollout(self, groups: list[Group], iteration: int, version: int,
-                temperature: float) -> tuple[list[Group], RolloutStats]:
-        """Run one rollout phase on `groups` (paused ones first, as the trainer orders them); returns them all,
-        complete or paused, and the phase's stats."""
+    def rollout(self, groups: list[Group], iteration: int, version: int, temperature: float,
+                tool_groups: list[Group] | None = None) -> tuple[list[Group], list[Group], RolloutStats]:
+        """Run one rollout phase on `groups` (paused ones first, as the trainer orders them), then play
+        `tool_groups` to their end; returns both, complete or paused, and the phase's stats (`new_tokens`
+        counting the tool episodes' sampled tokens too)."""
         self.partial.paused = []
         _, stats = self.partial.run(self.model, self.tokenizer, groups, iteration=iteration, version=version,
                                     temperature=temperature)
         self.partial.paused = []
-        return groups, stats
+        tool_groups = list(tool_groups or [])
+        tool_tokens = run_tool_groups(self.tools, tool_groups, self.model, iteration=iteration, version=version,
+                                      temperature=temperature)
+        stats.new_tokens += tool_tokens
+        return groups, tool_groups, stats
 
     def digest(self) -> str:
         """`state_digest` of the inference copy."""

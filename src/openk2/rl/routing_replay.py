@@ -12,6 +12,15 @@ segment's experts. In training, the packed batch (prompt + response, right-padde
 position; the final token and the padding route by themselves (FREE). Gate weights still come from the
 training router's own scores (model/routing.py), so the router keeps its gradient.
 
+Multi-turn tool episodes (rl/tool_episode.py) run one engine request per turn over the whole conversation so
+far. Each turn keeps the rows the earlier turns recorded and adds those of the positions no earlier turn ran:
+the previous turn's last token, the environment-written tool text, then its own (`extend_turn_routing`); the
+policy's next turn was sampled on top of those experts, so the environment's positions are replayed too. Tool
+text appended after the last turn is never fed to the engine: those rows are FREE (`pad_routing`, harmless,
+they only precede context tokens). Every sample of a tool group is a request of its own, so a later one reads
+the earlier ones' prompt blocks from the prefix cache (-1 rows); `share_cached_rows` fills such rows from the
+trajectory of the same engine run that computed the same tokens (the experts the cached latents came from).
+
 Shape legend: N trajectories, T packed width, P prompt tokens, G response tokens, L MoE layers, K experts per
 token.
 """
@@ -49,6 +58,50 @@ def extend_routing(traj: Any, routing_PLK: torch.Tensor | None, prompt_len: int)
     traj.routing += routing_PLK[start:].flatten(1).tolist()
 
 
+def extend_turn_routing(traj: Any, routing_PLK: torch.Tensor | None, context_len: int) -> None:
+    """Add one tool-episode turn's routing to `traj.routing`, called before the turn's tokens are appended: the
+    turn ran `context_len` positions of context (prompt and every earlier token, the environment's too) and adds
+    the rows from the first position no earlier turn ran. A turn without a record, or one after a dropped
+    record, drops it (replayed everywhere or nowhere)."""
+    have = len(traj.routing)
+    if routing_PLK is None or (traj.token_ids and not have) or have > context_len - 1 \
+            or routing_PLK.shape[0] < context_len - 1:
+        traj.routing = []
+        return
+    traj.routing += routing_PLK[have:].flatten(1).tolist()
+
+
+def pad_routing(traj: Any) -> None:
+    """Complete a tool episode's record with FREE rows for the trailing tool text no turn fed to the engine."""
+    if traj.routing:
+        traj.routing += [[FREE] * len(traj.routing[0]) for _ in range(expected_rows(traj) - len(traj.routing))]
+
+
+def share_cached_rows(trajectories: Sequence[Any]) -> int:
+    """Fill the FREE rows (prefix-cache hits) of complete records from a trajectory of the same engine run whose
+    tokens up to that position are the same and that computed it; returns the rows filled."""
+    known: dict[int, list[int]] = {}
+    keys: list[list[int] | None] = []
+    for traj in trajectories:
+        if not traj.routing or len(traj.routing) != expected_rows(traj):
+            keys.append(None)
+            continue
+        seq, h, mine = traj.prompt_ids + traj.token_ids, 0, []
+        for p, row in enumerate(traj.routing):
+            h = hash((h, seq[p]))  # the prefix seq[: p + 1]; ints and tuples hash the same in every process
+            mine.append(h)
+            if row[0] != FREE:
+                known.setdefault(h, row)
+        keys.append(mine)
+    filled = 0
+    for traj, mine in zip(trajectories, keys, strict=True):
+        for p, h in enumerate(mine or ()):
+            if traj.routing[p][0] == FREE and h in known:
+                traj.routing[p] = known[h]
+                filled += 1
+    return filled
+
+
 def replay_tensor(trajectories: Sequence[Any], config: ModelConfig) -> torch.Tensor:
     """[N, T, L, K] int64 experts to replay for the packed batch: each trajectory's record from position 0, FREE
     after it and for trajectories without a complete record."""
@@ -70,4 +123,5 @@ def replay_trace(trajectories: Sequence[Any], config: ModelConfig) -> RoutingTra
     return RoutingTrace(config, replay=replay_tensor(trajectories, config))
 
 
-__all__ = ["expected_rows", "extend_routing", "moe_layer_count", "replay_tensor", "replay_trace"]
+__all__ = ["expected_rows", "extend_routing", "extend_turn_routing", "moe_layer_count", "pad_routing", "replay_tensor",
+           "replay_trace", "share_cached_rows"]

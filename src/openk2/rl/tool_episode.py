@@ -17,6 +17,9 @@ as malformed) instead of a crash; tool results are truncated to `max_result_char
 (`encode_pieces`), so a result that spells `<|im_end|>` stays those characters, never a control token. The
 episode ends when a turn has no calls (that turn's content is the final answer), when its policy-token budget
 or the context runs out (`finish_reason` "length"), or after `max_turns` turns ("turns", reward 0).
+
+R3: a turn's engine result may carry the experts of every position it ran (`Engine(record_routing=True)`); the
+trajectory keeps them for prompt, policy and tool positions alike (rl/routing_replay.py, `extend_turn_routing`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from openk2.chat.encoding import encode_pieces
 from openk2.chat.pieces import generation_prompt
 from openk2.chat.template import render_pieces
 from openk2.rl.rollout import Trajectory
+from openk2.rl.routing_replay import extend_turn_routing, pad_routing
 from openk2.rl.tasks import Problem
 from openk2.rl.tasks.tool_task import ToolTask, ToolWorld
 
@@ -79,6 +83,7 @@ class Episode:
     def advance(self, result, version: int = 0) -> bool:
         """Take one finished policy turn (an engine result); run its calls; True when the episode is over."""
         traj = self.traj
+        extend_turn_routing(traj, getattr(result, "routing", None), len(self.context_ids))  # before the tokens
         traj.token_ids += list(result.token_ids)
         traj.logprobs += list(result.logprobs)
         traj.mask += [1] * len(result.token_ids)
@@ -146,6 +151,7 @@ class Episode:
         """Finish the episode with `reason` (stop, length, turns) and score it; returns True."""
         self.traj.finish_reason = reason
         self.traj.reward = self.reward()
+        pad_routing(self.traj)  # tool text after the last turn was never fed to the engine: FREE rows
         return True
 
 

@@ -42,7 +42,7 @@ from openk2.model import ForwardStats, K2ForCausalLM
 from openk2.model.routing import RoutingTrace
 from openk2.optim.muonclip import MuonClip
 from openk2.rl.config import OptimSection, RLConfig
-from openk2.rl.critic_env import CriticLoop, build_loop_env
+from openk2.rl.critic_env import CriticLoop, build_loop_env, warmup_example
 from openk2.rl.loss import budget_penalty, decayed_temperature, get_loss, ptx_loss
 from openk2.rl.mismatch import mismatch_record
 from openk2.rl.mixture import MixtureEnv, build_mixture, choose_env, held_out_problems
@@ -52,7 +52,7 @@ from openk2.rl.rollout import Group, PartialRollout, new_group
 from openk2.rl.routing_replay import replay_trace
 from openk2.rl.tasks.tool_task import ToolTask
 from openk2.rl.tool_probe import exclude_probes
-from openk2.rl.tool_rollout import attach_tool_rollouts, run_tool_groups, tool_metrics
+from openk2.rl.tool_rollout import attach_tool_rollouts, tool_metrics
 from openk2.rl.tool_warmup import run_tool_warmup
 from openk2.rl.warmup import encode_prompt, run_warmup
 from openk2.rng import RNG_FILE, load_rng_state, save_rng_state, seed_everything
@@ -103,7 +103,8 @@ class RLTrainer:
         else:
             warm = self._warmup_env()
             self.policy, self.tokenizer = run_warmup(cfg, warm.task, self.out_dir, warm.exclude,
-                                                     warm.spec.difficulties)
+                                                     warm.spec.difficulties,
+                                                     example=warmup_example(cfg.warmup.verdict_share))
         self.inference = copy.deepcopy(self.policy).eval()  # the rollout engine's weights (decoupled copy)
         if cfg.rollout.inference_dtype == "bf16":  # as a serving engine runs it; the weight sync casts on copy
             self.inference.to(torch.bfloat16)
@@ -114,13 +115,14 @@ class RLTrainer:
                                       max_batch_size=cfg.rollout.max_batch_size, stop_token_ids=[self.im_end],
                                       seed=seed, record_routing=cfg.rollout.routing_replay
                                       or cfg.rollout.mismatch_every > 0)
+        # multi-turn tool environments play their groups as episodes (rl/tool_rollout.py), on the placement's engines
+        tools = attach_tool_rollouts(self.envs, self.tokenizer, max_context=self.policy.config.max_position_embeddings,
+                                     max_batch_size=cfg.rollout.max_batch_size, seed=seed,
+                                     record_routing=self.rollout.record_routing)  # R3 and the monitor cover them
         # where rollouts run and how the weights reach them (rollout.placement: colocated, or Ray workers)
         self.placement = build_placement(cfg.rollout, self.policy, self.inference, self.tokenizer, self.rollout,
                                          bucket_bytes=cfg.train.sync_bucket_mb << 20, threads=cfg.train.threads,
-                                         optimizer=self.optimizer)
-        # multi-turn tool environments play their groups as episodes in this process (rl/tool_rollout.py)
-        attach_tool_rollouts(self.envs, self.tokenizer, max_context=self.policy.config.max_position_embeddings,
-                             max_batch_size=cfg.rollout.max_batch_size, seed=seed, placement=cfg.rollout.placement)
+                                         optimizer=self.optimizer, tools=tools)
         self.loss_fn = get_loss(cfg.loss.name)
         self.ptx = PTXStream(self.tokenizer, cfg.loss, seed + 3) if cfg.loss.ptx_weight > 0 else None
         self.critic = CriticLoop.build(self.envs, self.tokenizer, self.im_end, cfg)  # None without critic envs
@@ -168,18 +170,19 @@ class RLTrainer:
         rc = self.cfg.rollout
         temperature = decayed_temperature(self.iteration, rc.temperature, rc.final_temperature,
                                           rc.temperature_decay_iterations, rc.temperature_schedule)
-        fresh = [self._new_group() for _ in range(rc.prompts_per_iteration)]
+        drawn = [self._new_group() for _ in range(rc.prompts_per_iteration)]
+        fresh = [g for g in drawn if g is not None]  # None: drawn for an eval_only env, not started
         tool_groups = [g for g in fresh if self._env(g).tools is not None]  # finish within this iteration
         fresh = [g for g in fresh if self._env(g).tools is None]
         start = time.perf_counter()
         done, stats = self.placement.rollout(fresh, iteration=self.iteration, version=self.iteration,
-                                             temperature=temperature)
-        tool_tokens = run_tool_groups(self.env_by_name, tool_groups, self.inference, iteration=self.iteration,
-                                      version=self.iteration, temperature=temperature)
+                                             temperature=temperature, tool_groups=tool_groups)  # tools in place
         done = done + tool_groups
         rollout_s = time.perf_counter() - start
-        record = {"temperature": temperature, "new_tokens": stats.new_tokens + tool_tokens, "paused": stats.paused,
+        record = {"temperature": temperature, "new_tokens": stats.new_tokens, "paused": stats.paused,
                   "resumed": stats.resumed, "groups_trained": len(done), "rollout_s": rollout_s}
+        if not all(e.trains for e in self.envs):
+            record["groups_not_started"] = len(drawn) - len(fresh) - len(tool_groups)
         self.iteration += 1
         if done:
             start = time.perf_counter()
@@ -285,11 +288,13 @@ class RLTrainer:
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
-    def _new_group(self) -> Group:
+    def _new_group(self) -> Group | None:
         gid = self.next_group
         self.next_group += 1
         seed = self.cfg.train.seed
         env = choose_env(self.envs, seed=hash((seed, gid, 1)))  # ints only: hash() of a str varies per process
+        if not env.trains:  # an eval_only env's draw: the group id is used up, so later draws are unchanged
+            return None
         problem = env.draw(hash((seed, gid)), self.iteration)
         prompt = env.tools.prompt_ids(problem) if env.tools is not None else encode_prompt(self.tokenizer, problem)
         return new_group(gid, problem, prompt, self.cfg.rollout.samples_per_prompt,
