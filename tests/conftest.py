@@ -16,6 +16,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+from tests.tiny_k2 import tiny_k2_checkpoint  # noqa: E402, F401  (one tiny K2 checkpoint for the whole session)
+
 
 @pytest.fixture(autouse=True)
 def _one_thread_after_each_test():

@@ -21,6 +21,7 @@ import uvicorn  # noqa: E402
 
 from openk2.infer.engine import GenerationResult  # noqa: E402
 from openk2.infer.server import create_app  # noqa: E402
+from tests.tiny_k2 import write_tiny_checkpoint  # noqa: E402, F401  (test_server_grammar imports it here)
 
 MODEL = "tiny-k2"
 API_KEY = "sk-test-key"
@@ -32,29 +33,11 @@ CALL_TEXT = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
-def write_tiny_checkpoint(out: Path, texts: list[str]) -> Path:
-    """A tiny random K2 checkpoint at `out` with a tokenizer trained on math documents plus `texts`."""
-    from openk2.config import ModelConfig
-    from openk2.data.mathgen import math_documents
-    from openk2.data.tokenizer import train_tokenizer
-    from openk2.model import K2ForCausalLM
-
-    tok = train_tokenizer(list(math_documents(seed=0, count=200)) + texts * 20, vocab_size=768)
-    cfg = ModelConfig.preset("tiny").replace(
-        vocab_size=768, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=8, n_routed_experts=8)
-    torch.manual_seed(0)
-    K2ForCausalLM(cfg).save_pretrained(out)
-    tok.save(out)
-    return out
-
-
 @pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory) -> Path:
-    """A tiny random K2 checkpoint with a locally trained tokenizer (K2 special tokens included)."""
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-k2",
-                                 ["Hello, how are you? The weather in Paris is sunny."])
+def checkpoint(tiny_k2_checkpoint) -> Path:
+    """A tiny random K2 checkpoint with a locally trained tokenizer (K2 special tokens included): the suite's one
+    copy (tests/tiny_k2.py), which the modules importing this fixture share."""
+    return tiny_k2_checkpoint
 
 
 def _free_port() -> int:
