@@ -1,21 +1,30 @@
-"""Paired re-scoring of two RL checkpoints on the same held-out arithmetic problems (docs/rl.md).
+"""Paired re-scoring of RL checkpoints against their start policy on the same held-out arithmetic problems.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rl_paired_eval.py BEFORE_CKPT AFTER_CKPT [--seed S] [--count N]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rl_paired_eval.py BEFORE_CKPT [AFTER_CKPT ...] \\
+        [--seed S] [--count N] [--difficulties 3] [--json OUT]
 
-Both checkpoints answer the run seed's first N held-out problems (level 3) greedily and with 8 samples at
-temperature 1 (sampling seeds 1-8). Each problem's score difference is one paired observation, so the printed
-interval is the paired standard error over problems: the noise of the problem draw cancels between the two.
+Every checkpoint answers the same problems: the first N held-out problems of the held-out seed S (the RL run's
+`task.eval_seed`, else its `train.seed`; the pipeline's SFT data excludes seed 0's), greedily and with 8
+samples at temperature 1 (sampling seeds 1-8, the same for every checkpoint). Each problem's score difference
+is one paired observation, so a run's interval is the paired standard error over problems: the noise of the
+problem draw cancels between the two. With several AFTER checkpoints (RL seeds from one start), the gains are
+also summarised across runs: their mean and the Student-t 95% interval over runs (df = runs - 1). With none,
+only BEFORE is scored (to see where a start policy stands).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import statistics
+from pathlib import Path
 
 import torch
 
 from openk2.chat import ChatFormat
 from openk2.data.tokenizer import K2Tokenizer
+from openk2.experiments.seeds import mean_ci
 from openk2.infer.engine import Engine
 from openk2.infer.sampling import SamplingParams
 from openk2.model import K2ForCausalLM
@@ -56,19 +65,39 @@ def paired_summary(before: list[float], after: list[float]) -> tuple[float, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before")
-    parser.add_argument("after")
-    parser.add_argument("--seed", type=int, default=0, help="the run's train.seed (decides the held-out draw)")
+    parser.add_argument("after", nargs="*")
+    parser.add_argument("--seed", type=int, default=0, help="held-out seed: the run's task.eval_seed, else train.seed")
     parser.add_argument("--count", type=int, default=100, help="held-out problems to score")
+    parser.add_argument("--difficulties", type=int, nargs="+", default=[3], help="the levels the RL run trains")
+    parser.add_argument("--json", type=Path, help="write every checkpoint's means and gains here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tasks.get("arithmetic")
-    problems = held_out_problems(task, [3], args.count, args.seed)
-    before, after = per_problem_scores(args.before, problems, task), per_problem_scores(args.after, problems, task)
+    problems = held_out_problems(task, args.difficulties, args.count, args.seed)
+    before = per_problem_scores(args.before, problems, task)
+    record: dict = {"before": {"checkpoint": args.before, **{m: statistics.fmean(before[m]) for m, _, _ in MODES}},
+                    "after": []}
     for mode, _, _ in MODES:
-        gain, se = paired_summary(before[mode], after[mode])
-        a, b = sum(before[mode]) / len(problems), sum(after[mode]) / len(problems)
-        print(f"{mode}: {a:.3f} -> {b:.3f}, paired {gain:+.1f} +- {se:.1f} points (SE), "
-              f"95% {gain - 1.96 * se:+.1f} to {gain + 1.96 * se:+.1f}", flush=True)
+        print(f"{args.before} {mode}: {statistics.fmean(before[mode]):.3f}", flush=True)
+    for checkpoint in args.after:
+        after = per_problem_scores(checkpoint, problems, task)
+        row: dict = {"checkpoint": checkpoint}
+        for mode, _, _ in MODES:
+            gain, se = paired_summary(before[mode], after[mode])
+            a, b = statistics.fmean(before[mode]), statistics.fmean(after[mode])
+            row[mode] = {"after": b, "gain_points": gain, "se_points": se}
+            print(f"{checkpoint} {mode}: {a:.3f} -> {b:.3f}, paired {gain:+.1f} +- {se:.1f} points (SE), "
+                  f"95% {gain - 1.96 * se:+.1f} to {gain + 1.96 * se:+.1f}", flush=True)
+        record["after"].append(row)
+    if len(args.after) > 1:
+        record["across_runs"] = {}
+        for mode, _, _ in MODES:
+            mean, half = mean_ci([r[mode]["gain_points"] for r in record["after"]])
+            record["across_runs"][mode] = {"gain_points": mean, "ci95_points": half, "runs": len(args.after)}
+            print(f"over {len(args.after)} runs, {mode} gain: {mean:+.1f} points, 95% t-interval "
+                  f"{mean - half:+.1f} to {mean + half:+.1f} (df {len(args.after) - 1})", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from openk2.pipeline.runner import LOG_FILE, run_pipeline
 from openk2.pipeline.stages import DONE_FILE, build_stages, downstream
 from openk2.pipeline.task_data import write_task_conversations
 from openk2.rl import tasks
-from openk2.rl.config import load_rl_config
+from openk2.rl.config import RLConfig, load_rl_config
+from openk2.rl.mixture import build_mixture
 from openk2.rl.tasks.base import extract_answer
 from openk2.rl.tasks.expr import evaluate
 from openk2.rl.trainer import RLTrainer, held_out_problems
@@ -250,3 +251,18 @@ def test_task_conversations_are_correct_and_avoid_the_held_out_set(tmp_path):
         assert extract_answer(assistant["content"]) == str(int(value))
     with pytest.raises(ValueError, match="only the arithmetic task"):
         write_task_conversations(tmp_path / "x.jsonl", load_rl_config(None, ["task.name=math"]), 3)
+
+
+def test_shipped_rl_stage_keeps_its_held_out_set_across_seeds(tmp_path):
+    """RL seeds rerun from one SFT checkpoint (`--set train.seed=N`) are scored on the problems the SFT data
+    excludes: the shipped stage fixes `task.eval_seed`, so the draw does not follow `train.seed`."""
+    shipped = load_pipeline_config(CONFIGS / "pipeline-tiny.toml")
+    rl = RLConfig.from_dict(shipped.stage_raw("rl"))
+    task = tasks.get("arithmetic")
+    sft_rows = read_conversations(write_task_conversations(tmp_path / "t.jsonl", rl, shipped.sft.task_examples))
+    sft_prompts = {row["messages"][0]["content"] for row in sft_rows}
+    for seed in (0, 1, 2):
+        (env,) = build_mixture(RLConfig.from_dict({**shipped.stage_raw("rl"), "train": {"seed": seed}}), seed)
+        held = [p.prompt for p in env.eval_problems]
+        assert held == [p.prompt for p in held_out_problems(task, [3], rl.task.eval_problems, 0)]
+        assert not set(held) & sft_prompts

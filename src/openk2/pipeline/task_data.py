@@ -25,7 +25,8 @@ def write_task_conversations(path: str | Path, rl: RLConfig, count: int) -> Path
                          f"(the RL task is {rl.task.name!r}); set sft.task_examples = 0")
     task = tasks.get(rl.task.name)
     seed = rl.train.seed
-    held_out = {p.prompt for p in held_out_problems(task, rl.task.difficulties, rl.task.eval_problems, seed)}
+    held_out = {p.prompt for p in held_out_problems(task, rl.task.difficulties, rl.task.eval_problems,
+                                                    rl.held_out_seed())}
     stream = problems(task, rl.task.difficulties, seed + 1, held_out)  # the warm-up's stream (warmup.py)
     conversations = [
         {"messages": [{"role": "user", "content": p.prompt},
