@@ -92,10 +92,16 @@ def grouped_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, offsets: torch.Tenso
     return torch.cat(outs, dim=0) if outs else x_MI.new_zeros(0, w_EIO.shape[-1])
 
 
-def aligns_rows(x_ND: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the experts pad their rows to CPU_ALIGN_ROWS: bf16 on CPU in eager mode (oneDNN's per-shape
-    kernels; fp32 measured 0.92x aligned; under compile the row count must not depend on the data)."""
-    return x_ND.device.type == "cpu" and dtype == torch.bfloat16 and not torch.compiler.is_compiling()
+def aligns_rows(x_ND: torch.Tensor, dtype: torch.dtype, rows: int, experts: int) -> bool:
+    """Whether the experts pad their `rows` (token, expert) rows to CPU_ALIGN_ROWS (`pads_expert_rows`)."""
+    return pads_expert_rows(x_ND.device.type, dtype, rows, experts, torch.compiler.is_compiling())
+
+
+def pads_expert_rows(device_type: str, dtype: torch.dtype, rows: int, experts: int, compiling: bool) -> bool:
+    """`aligns_rows` on shapes (the memory plan asks it too): bf16 on CPU in eager mode (oneDNN's per-shape
+    kernels; fp32 measured 0.92x aligned; under compile the row count must not depend on the data), with at
+    least IDLE_SKIP_ROWS rows per expert (fewer run only the active experts)."""
+    return device_type == "cpu" and dtype == torch.bfloat16 and not compiling and rows >= experts * IDLE_SKIP_ROWS
 
 
 def aligned_rows(experts_M: torch.Tensor, token_of_row: torch.Tensor, counts_E: torch.Tensor, pad_token: int,
@@ -153,8 +159,10 @@ class RoutedExperts(nn.Module):
         counts_E = torch.zeros(self.gate_proj.shape[0], dtype=torch.int64, device=flat_experts.device)
         counts_E.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         offsets = counts_E.cumsum(0).to(torch.int32)
-        dtype = torch.get_autocast_dtype(x_ND.device.type) if torch.is_autocast_enabled() else x_ND.dtype
-        if self.use_grouped_mm and aligns_rows(x_ND, dtype) and n * k >= counts_E.numel() * IDLE_SKIP_ROWS:
+        # The device's own autocast: is_autocast_enabled() without a device type reads CUDA's only.
+        on = torch.is_autocast_enabled(x_ND.device.type)
+        dtype = torch.get_autocast_dtype(x_ND.device.type) if on else x_ND.dtype
+        if self.use_grouped_mm and aligns_rows(x_ND, dtype, n * k, counts_E.numel()):
             return self._aligned_forward(x_ND.to(dtype), routing, order, token_of_row, counts_E), counts_E
         # index_select, not x_ND[token_of_row]: its backward is one index_add, not a sorting index_put.
         x_MD = x_ND.index_select(0, token_of_row).to(dtype)

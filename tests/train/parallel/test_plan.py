@@ -19,7 +19,7 @@ from openk2.train.parallel.activations import ActivationModel
 from openk2.train.parallel.build import build_model_part, meta_model_part
 from openk2.train.parallel.config import ParallelConfig
 from openk2.train.parallel.mesh import ParallelMesh
-from openk2.train.parallel.plan import plan
+from openk2.train.parallel.plan import activation_model, plan
 
 CONFIGS = sorted((Path(__file__).parents[3] / "configs").glob("*.toml"))
 NOT_RUN_PREFIXES = ("pipeline-", "rl-", "synth-")  # other commands' files (openk2 pipeline / rl / synth)
@@ -103,3 +103,39 @@ def test_in_flight_count_follows_the_schedule():
     cfg = ParallelConfig(pp=4, pp_virtual_stages=2)
     assert [in_flight_microbatches(cfg, r, 8) for r in range(4)] == [11, 9, 7, 5]  # (v-1) pp + 2 (pp-1-r) + 1
     assert in_flight_microbatches(ParallelConfig(pp=4, pp_schedule="gpipe", pp_virtual_stages=1), 0, 8) == 8
+
+
+MICRO_SETS = ["model.vocab_size=512", "model.hidden_size=128", "model.intermediate_size=256",
+              "model.moe_intermediate_size=64", "model.num_hidden_layers=3", "model.num_attention_heads=4",
+              "model.q_lora_rank=64", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=16",
+              "model.v_head_dim=16", "model.n_routed_experts=8", "model.num_experts_per_tok=2"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_bf16_cpu_plan_counts_the_short_attention_and_padded_expert_rows(recompute):
+    """bf16 autocast on CPU at 128 keys: the plan picks the model's short attention (fp32 T x S probabilities)
+    and aligned expert rows by their own rules, and its bytes match a measured forward."""
+    cfg = load_run_config("configs/tiny.toml", MICRO_SETS + [
+        "train.precision=bf16", "train.batch_size=4", "data.seq_len=128", f"memory.recompute={recompute}"])
+    part, _ = meta_model_part(cfg.model, ParallelMesh(cfg.parallel, None, 0, 0, 0, 0))
+    act = activation_model(cfg, cfg.parallel, part, "cpu")
+    assert act.short_attention and act.autocast and act.expert_pad_rows > 0
+    model = K2ForCausalLM(cfg.model, init_seed=0)
+    ids = torch.randint(0, cfg.model.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    handle = apply_memory_options(model, cfg.memory)
+    held = []
+    for _ in range(3):
+        gc.collect()
+        before = allocated_bytes(torch.device("cpu"))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, labels=ids)
+        held.append(allocated_bytes(torch.device("cpu")) - before)
+        out.loss.backward()
+        model.zero_grad(set_to_none=True)
+        del out
+    handle.remove()
+    layers = range(cfg.model.num_hidden_layers)
+    predicted = ids.numel() * (sum(act.layer(cfg.model.is_moe_layer(i)) for i in layers) + act.head())
+    predicted += sum(act.layer_weight_copies(cfg.model.is_moe_layer(i)) for i in layers) + act.head_weight_copy()
+    assert predicted == pytest.approx(sorted(held)[1], rel=ACTIVATION_TOLERANCE)
+    assert plan(cfg, device_type="cpu")["per_rank"][0]["activation_bytes"] == int(predicted)

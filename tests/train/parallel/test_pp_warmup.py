@@ -108,9 +108,12 @@ def test_plan_counts_the_extra_in_flight_micro_batches():
     assert [in_flight_microbatches(cfg.parallel, r, 4) for r in (0, 1)] == [5, 3]  # torch's warm-up + 1
     extra2 = ParallelConfig(pp=2, pp_virtual_stages=2, pp_extra_warmup=2)
     assert [in_flight_microbatches(extra2, r, 4) for r in (0, 1)] == [7, 5]
-    from openk2.train.parallel.activations import ActivationModel
+    from openk2.train.parallel.build import meta_model_part
+    from openk2.train.parallel.mesh import ParallelMesh
+    from openk2.train.parallel.plan import activation_model
 
-    act = ActivationModel(cfg.model, cfg.memory, act_bytes=4, seq_len=cfg.data.seq_len)
+    part, _ = meta_model_part(cfg.model, ParallelMesh(cfg.parallel, None, 0, 0, 0, 0))
+    act = activation_model(cfg, cfg.parallel, part, "cpu")  # the plan's own counts (fp32 on CPU: fused kernel)
     tokens = cfg.train.batch_size * cfg.data.seq_len
     stage = tokens * max(act.layer(cfg.model.is_moe_layer(i)) for i in range(4))  # one layer per stage
     head = tokens * act.head()

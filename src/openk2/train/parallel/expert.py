@@ -69,7 +69,8 @@ class ExpertParallelExperts(RoutedExperts):
         order = flat_experts.argsort(stable=True)  # rows grouped by expert, hence by destination rank
         token_of_row = order // k
         counts_E = torch.bincount(flat_experts, minlength=self.num_experts)
-        dtype = torch.get_autocast_dtype(x_ND.device.type) if torch.is_autocast_enabled() else x_ND.dtype
+        on = torch.is_autocast_enabled(x_ND.device.type)  # without a device type it reads CUDA's only
+        dtype = torch.get_autocast_dtype(x_ND.device.type) if on else x_ND.dtype
         x_MD = x_ND[token_of_row].to(dtype)
 
         # Tell every rank how many rows it gets for each of its local experts: [source rank, local expert].

@@ -21,6 +21,10 @@ import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
+import torch
+
+from openk2.model.attention_core import short_path_rule
+from openk2.model.moe import CPU_ALIGN_ROWS, RoutedExperts, pads_expert_rows
 from openk2.optim.param_groups import default_muon_filter
 from openk2.train.config import RunConfig
 from openk2.train.parallel.activations import ActivationModel
@@ -113,7 +117,8 @@ def plan_rank(cfg: RunConfig, parallel: ParallelConfig, pp_rank: int, states: st
         group_muon = sum(math.prod(s) for s in members[(where, "muon")])
         in_flight = 2 * 4 * min(DEFAULT_BUCKET_NUMEL, group_muon) if size > 1 else 0
         step_buffers = max(step_buffers, 16 * owned + in_flight + 4 * adam + 4 * largest_adam)
-    activations, pipeline_buffers, transient = _activation_bytes(cfg, parallel, part, pp_rank, device_type)
+    activations, pipeline_buffers, transient = _activation_bytes(cfg, parallel, part, pp_rank, device_type,
+                                                                 states == "fp32")
     persistent = num * (policy["param"] + policy["grad"]) + master + optimizer
     total = persistent + max(activations + pipeline_buffers + transient, step_buffers)
     return RankPlan(rank=mesh.rank, pp_rank=pp_rank, dp_rank=0, ep_rank=0, num_params=num,
@@ -161,7 +166,8 @@ def _plan_fsdp2(cfg: RunConfig, parallel: ParallelConfig, part, expert_names: fr
         gathered = gathered_bytes * (whole - sum(units) + 3 * largest)
     owned = _owned_muon_numel(matrices, dense, cfg.optim.ns_steps)
     step_buffers = 16 * owned + 4 * sum_muon
-    activations, pipeline_buffers, transient = _activation_bytes(cfg, parallel, part, pp_rank, device_type)
+    activations, pipeline_buffers, transient = _activation_bytes(cfg, parallel, part, pp_rank, device_type,
+                                                                 gathered_bytes == 4)
     persistent = 8 * local + 4 * sum_muon + 8 * sum_adam
     total = persistent + max(activations + gathered + pipeline_buffers + transient, step_buffers)
     return RankPlan(rank=pp_rank * dense, pp_rank=pp_rank, dp_rank=0, ep_rank=0, num_params=local,
@@ -171,29 +177,50 @@ def _plan_fsdp2(cfg: RunConfig, parallel: ParallelConfig, part, expert_names: fr
                     total_bytes=total)
 
 
-def _activation_bytes(cfg: RunConfig, parallel: ParallelConfig, part, pp_rank: int,
-                      device_type: str) -> tuple[int, int, int]:
-    """(activations held at the peak, pipeline receive buffers, one recomputed layer) in bytes."""
+def activation_model(cfg: RunConfig, parallel: ParallelConfig, part, device_type: str,
+                     fp32_weights: bool = True) -> ActivationModel:
+    """The per-token activation counts of one micro-batch, with the attention core and the expert-row padding the
+    model's own rules (`short_path_rule`, `pads_expert_rows`) pick for this run's dtype, device and compile."""
     model = cfg.model
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device_type == "cuda")
-    act = ActivationModel(model, cfg.memory, act_bytes=2 if bf16 else 4, flash_attention=device_type == "cuda",
-                          seq_len=cfg.data.seq_len, ep=parallel.ep)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    compiling = cfg.train.compile and not parallel.enabled  # only the single-device trainer compiles its blocks
+    seq, tokens = cfg.data.seq_len, cfg.train.batch_size * cfg.data.seq_len
+    # Training attends as many queries as keys (causal or packed-document masks alike).
+    short = short_path_rule(device_type, dtype, seq, seq, False, compiling)
+    experts = [m for m in part.modules() if isinstance(m, RoutedExperts)]
+    local = experts[0].gate_proj.shape[0] if experts else 0
+    aligned = (bool(experts) and all(type(m).forward is RoutedExperts.forward and m.use_grouped_mm for m in experts)
+               and pads_expert_rows(device_type, dtype, tokens * model.num_experts_per_tok, local, compiling))
+    return ActivationModel(model, cfg.memory, act_bytes=2 if bf16 else 4, flash_attention=not short, seq_len=seq,
+                           ep=parallel.ep, short_attention=short, autocast=bf16 and fp32_weights,
+                           expert_pad_rows=local * (CPU_ALIGN_ROWS - 1) / tokens if aligned else 0.0)
+
+
+def _activation_bytes(cfg: RunConfig, parallel: ParallelConfig, part, pp_rank: int,
+                      device_type: str, fp32_weights: bool = True) -> tuple[int, int, int]:
+    """(activations held at the peak, pipeline receive buffers, one recomputed layer) in bytes."""
+    model = cfg.model
+    act = activation_model(cfg, parallel, part, device_type, fp32_weights)
     tokens = cfg.train.batch_size * cfg.data.seq_len
     ranges = stage_layer_ranges(model.num_hidden_layers, parallel.num_stages)
     stage_ids = part.stage_ids if isinstance(part, PipelineModel) else [0]
     if not isinstance(part, PipelineModel):
         ranges = [range(model.num_hidden_layers)]
-    per_stage = [sum(act.layer(model.is_moe_layer(i)) for i in ranges[s]) for s in stage_ids]
+    # Per micro-batch: per-token bytes times tokens, plus the layers' bf16 weight copies under autocast.
+    per_stage = [sum(act.layer(model.is_moe_layer(i)) * tokens + act.layer_weight_copies(model.is_moe_layer(i))
+                     for i in ranges[s]) for s in stage_ids]
     in_flight = in_flight_microbatches(parallel, pp_rank, cfg.train.grad_accum)
-    held = in_flight * max(per_stage) * tokens
+    held = in_flight * max(per_stage)
+    head = act.head() * tokens + act.head_weight_copy()
     last = len(ranges) - 1
     if last in stage_ids and parallel.pp > 1 and parallel.pp_schedule == "interleaved_1f1b":
         # Every last-stage micro-batch in flight also holds its logits and loss saves; extra warm-up forwards
         # can run the last stage ahead of its backwards (with none, each is followed by its backward).
         actions = rank_actions(pp_rank, parallel.pp, len(stage_ids), cfg.train.grad_accum, parallel.pp_extra_warmup)
-        held = peak_held(actions, lambda s: tokens * (max(per_stage) + (act.head() if s == last else 0.0)))
+        held = peak_held(actions, lambda s: max(per_stage) + (head if s == last else 0.0))
     elif last in stage_ids:
-        held += act.head() * tokens  # the last stage's backward follows its forward: one micro-batch of logits
+        held += head  # the last stage's backward follows its forward: one micro-batch of logits
     recompute = max(act.recompute_transient(model.is_moe_layer(i)) for s in stage_ids for i in ranges[s])
     pipeline_buffers = 2 * 4 * tokens * model.hidden_size * len(stage_ids) if parallel.pp > 1 else 0
     return int(held), int(pipeline_buffers), int(recompute * tokens)
