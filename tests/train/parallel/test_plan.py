@@ -79,17 +79,7 @@ def test_activation_estimate_matches_a_measured_cpu_forward(options):
         v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2)
     model = K2ForCausalLM(cfg, init_seed=0)
     ids = torch.randint(0, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
-    handle = apply_memory_options(model, options)
-    held = []
-    for _ in range(3):
-        gc.collect()
-        before = allocated_bytes(torch.device("cpu"))
-        out = model(ids, labels=ids)
-        held.append(allocated_bytes(torch.device("cpu")) - before)
-        out.loss.backward()
-        model.zero_grad(set_to_none=True)
-        del out
-    handle.remove()
+    held = _held_after_forward(model, ids, options)
     # The CPU forward uses a fused (flash) SDPA kernel since v is padded to the q/k head dim (attention_core).
     estimate = ActivationModel(cfg, options, act_bytes=4, flash_attention=True, seq_len=128)
     layers = sum(estimate.layer(cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers))
@@ -122,20 +112,26 @@ def test_bf16_cpu_plan_counts_the_short_attention_and_padded_expert_rows(recompu
     assert act.short_attention and act.autocast and act.expert_pad_rows > 0
     model = K2ForCausalLM(cfg.model, init_seed=0)
     ids = torch.randint(0, cfg.model.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
-    handle = apply_memory_options(model, cfg.memory)
+    held = _held_after_forward(model, ids, cfg.memory, autocast=True)
+    layers = range(cfg.model.num_hidden_layers)
+    predicted = ids.numel() * (sum(act.layer(cfg.model.is_moe_layer(i)) for i in layers) + act.head())
+    predicted += sum(act.layer_weight_copies(cfg.model.is_moe_layer(i)) for i in layers) + act.head_weight_copy()
+    assert predicted == pytest.approx(sorted(held)[1], rel=ACTIVATION_TOLERANCE)
+    assert plan(cfg, device_type="cpu")["per_rank"][0]["activation_bytes"] == int(predicted)
+
+
+def _held_after_forward(model, ids, options, autocast: bool = False) -> list[int]:
+    """Bytes the forward leaves allocated for backward, over 3 forwards (with the memory options applied)."""
+    handle = apply_memory_options(model, options)
     held = []
     for _ in range(3):
         gc.collect()
         before = allocated_bytes(torch.device("cpu"))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = model(ids, labels=ids)
         held.append(allocated_bytes(torch.device("cpu")) - before)
         out.loss.backward()
         model.zero_grad(set_to_none=True)
         del out
     handle.remove()
-    layers = range(cfg.model.num_hidden_layers)
-    predicted = ids.numel() * (sum(act.layer(cfg.model.is_moe_layer(i)) for i in layers) + act.head())
-    predicted += sum(act.layer_weight_copies(cfg.model.is_moe_layer(i)) for i in layers) + act.head_weight_copy()
-    assert predicted == pytest.approx(sorted(held)[1], rel=ACTIVATION_TOLERANCE)
-    assert plan(cfg, device_type="cpu")["per_rank"][0]["activation_bytes"] == int(predicted)
+    return held
