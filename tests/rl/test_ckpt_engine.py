@@ -1,12 +1,7 @@
 """Checkpoint engine: bucket plans, and real gloo processes whose receivers end bit-identical to the senders."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from openk2.config import ModelConfig
@@ -21,15 +16,9 @@ from openk2.rl.ckpt_engine import (
     safetensors_index,
     sync_in_process,
 )
+from tests.train.parallel.ranks import run_ranks
 
 BUCKET = 96 << 10  # small buckets: many of them, so the double-buffered pipeline really alternates
-
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_model(seed: int) -> K2ForCausalLM:
@@ -76,29 +65,26 @@ def test_readers_are_disjoint_and_balanced():
 WORLD = 3  # ranks 0 and 1 are trainers holding shards; rank 2 only receives
 
 
-def _worker(rank: int, port: int, ckpt: str, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        engine = CheckpointEngine(bucket_bytes=BUCKET)
-        # Weight updates: two of them, the second reusing the plan and overwriting everything.
-        for version in range(2):
-            state = _tiny_model(100 + version).state_dict()
-            state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].bfloat16()  # mixed dtypes
-            names = list(state)
-            shard = {n: state[n] for i, n in enumerate(names) if i % 2 == rank} if rank < 2 else {}
-            inference = {n: torch.full_like(t, float("nan")) for n, t in state.items()}
-            stats = engine.broadcast(shard, copy_into(inference))
-            out[(rank, version, "identical")] = all(torch.equal(_bits(state[n]), _bits(inference[n])) for n in names)
-            out[(rank, version, "stats")] = (stats.num_buckets, stats.bytes)
-        # Startup: each rank reads a disjoint part of the checkpoint; everyone receives all of it.
-        received: dict[str, torch.Tensor] = {}
-        keys = load_and_broadcast(ckpt, engine, lambda name, t: received.__setitem__(name, t.clone()))
-        out[(rank, "read")] = keys
-        out[(rank, "received")] = {k: _bits(v) for k, v in received.items()}
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, ckpt: str) -> dict:
+    """One rank of the gloo group (run_ranks has joined it): what it sent, received and read, keyed by rank."""
+    out = {}
+    engine = CheckpointEngine(bucket_bytes=BUCKET)
+    # Weight updates: two of them, the second reusing the plan and overwriting everything.
+    for version in range(2):
+        state = _tiny_model(100 + version).state_dict()
+        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].bfloat16()  # mixed dtypes
+        names = list(state)
+        shard = {n: state[n] for i, n in enumerate(names) if i % 2 == rank} if rank < 2 else {}
+        inference = {n: torch.full_like(t, float("nan")) for n, t in state.items()}
+        stats = engine.broadcast(shard, copy_into(inference))
+        out[(rank, version, "identical")] = all(torch.equal(_bits(state[n]), _bits(inference[n])) for n in names)
+        out[(rank, version, "stats")] = (stats.num_buckets, stats.bytes)
+    # Startup: each rank reads a disjoint part of the checkpoint; everyone receives all of it.
+    received: dict[str, torch.Tensor] = {}
+    keys = load_and_broadcast(ckpt, engine, lambda name, t: received.__setitem__(name, t.clone()))
+    out[(rank, "read")] = keys
+    out[(rank, "received")] = {k: _bits(v) for k, v in received.items()}
+    return out
 
 
 @pytest.mark.slow
@@ -112,10 +98,7 @@ def test_gloo_update_and_startup_are_bit_exact(tmp_path):
         with safe_open(str(file), framework="pt") as f:
             expected.update({k: _bits(f.get_tensor(k)) for k in f.keys()})
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), str(tmp_path), out), nprocs=WORLD, join=True)
-        results = dict(out)
+    results = {key: value for out in run_ranks(WORLD, _worker, str(tmp_path)).values() for key, value in out.items()}
 
     reference = _tiny_model(0)
     expected_bytes = sum(t.nbytes for t in reference.state_dict().values()) - \

@@ -7,16 +7,12 @@ import pytest
 
 pytest.importorskip("tau2")
 
-from openk2.cli.rl import rl_main  # noqa: E402
 from openk2.rl.config import load_rl_config  # noqa: E402
 from openk2.rl.tasks.retail import RetailTask  # noqa: E402
 from openk2.rl.tasks.retail_db import RetailWorld  # noqa: E402
-from openk2.train.metrics import read_metrics  # noqa: E402
-from tests.rl.test_trainer import MICRO  # noqa: E402
 
 RETAIL = Path(__file__).resolve().parents[2] / "configs" / "rl-retail-tiny.toml"
-MIXTURE = """base = "{base}"
-
+MIXTURE = """
 [[envs]]
 name = "retail"
 difficulties = [1, 2]
@@ -34,7 +30,7 @@ def test_shipped_config_selects_the_retail_environment():
 
 
 @pytest.mark.slow
-def test_retail_environment_trains_on_tau2_episodes(tmp_path, monkeypatch):
+def test_retail_environment_trains_on_tau2_episodes(micro_rl_run, monkeypatch):
     worlds: list[tuple[str, RetailWorld]] = []  # (problem kind, world) of every episode played
     scored: list[bool] = []  # per episode that ended with an answer: whether its world was a tau2 DB
     world, verify = RetailTask.world, RetailTask.verify_episode
@@ -49,14 +45,9 @@ def test_retail_environment_trains_on_tau2_episodes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(RetailTask, "world", spy_world)
     monkeypatch.setattr(RetailTask, "verify_episode", spy_verify)
-    config = tmp_path / "retail.toml"
-    config.write_text(MIXTURE.format(base=RETAIL.as_posix()))
-    overrides = [*MICRO, "task.eval_samples=1", "warmup.probe_problems=0", "warmup.steps=4",
-                 "warmup.tokenizer_examples=120"]
-    out = tmp_path / "run"
-    args = ["--config", str(config), "--out-dir", str(out)] + [a for m in overrides for a in ("--set", m)]
-    assert rl_main([*args, "--max-iterations", "1"]) == 0
-    records = read_metrics(out)
+    run = micro_rl_run(RETAIL, MIXTURE, ["task.eval_samples=1", "warmup.probe_problems=0", "warmup.steps=4",
+                                         "warmup.tokenizer_examples=120"])
+    records = run.cli(max_iterations=1)
     assert [r["step"] for r in records] == [0, 1]
     assert 0.0 <= records[0]["eval_reward"] <= 1.0
     assert records[1]["groups_trained"] == 3  # 3 groups of 3 episodes, each finished in its iteration

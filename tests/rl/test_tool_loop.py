@@ -7,16 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from openk2.cli.rl import rl_main
 from openk2.rl.config import load_rl_config
 from openk2.rl.tool_probe import probe_problems
 from openk2.rl.trainer import RLTrainer
 from openk2.train.metrics import read_metrics
-from tests.rl.test_trainer import MICRO
 
 TOOLS = Path(__file__).resolve().parents[2] / "configs" / "rl-tools-tiny.toml"
-MIXTURE = """base = "{base}"
-
+MIXTURE = """
 [[envs]]
 name = "arithmetic"
 difficulties = [1]
@@ -42,14 +39,11 @@ def test_shipped_config_selects_the_tool_environment(tmp_path):
 
 
 @pytest.mark.slow
-def test_tool_environment_trains_evaluates_and_resumes(tmp_path):
-    config = tmp_path / "mix.toml"
-    config.write_text(MIXTURE.format(base=TOOLS.as_posix()))
-    overrides = [*MICRO, "task.eval_samples=1", "model.max_position_embeddings=320", "warmup.probe_problems=2"]
-    out = tmp_path / "run"
-    args = ["--config", str(config), "--out-dir", str(out)] + [a for m in overrides for a in ("--set", m)]
-    assert rl_main([*args, "--max-iterations", "2"]) == 0
-    records = read_metrics(out)
+def test_tool_environment_trains_evaluates_and_resumes(micro_rl_run):
+    run = micro_rl_run(TOOLS, MIXTURE, ["task.eval_samples=1", "model.max_position_embeddings=320",
+                                        "warmup.probe_problems=2"])
+    out = run.out
+    records = run.cli(max_iterations=2)
     assert [r["step"] for r in records] == [0, 1, 2]
     probe = json.loads((out / "warmup" / "probe.json").read_text())  # the adaptive stop checked at the cap, 10
     assert probe["checks"][-1]["step"] == probe["steps"] <= 10
@@ -62,7 +56,7 @@ def test_tool_environment_trains_evaluates_and_resumes(tmp_path):
         assert "malformed_rate/lookup" in r and 0 < r["response_len/lookup"] <= 40
     # (10 micro warm-up steps do not teach the call format: tests/rl/test_tool_episode.py scripts the calls)
 
-    cfg = load_rl_config(config, overrides)
+    cfg = load_rl_config(run.config, run.overrides)
     trainer = RLTrainer(cfg, out, resume=True)
     probes = probe_problems(trainer.env_by_name["lookup"], 2, cfg.train.seed)
     assert {p.prompt for p in probes} <= trainer.env_by_name["lookup"].exclude  # resumed: still never trained on

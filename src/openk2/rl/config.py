@@ -23,6 +23,7 @@ from openk2.configfile import (
     load_config,
     table_errors,
 )
+from openk2.rl import tasks
 
 TEMPERATURE_SCHEDULES = ("linear", "cosine", "exponential")
 INFERENCE_DTYPES = ("fp32", "bf16")
@@ -85,6 +86,7 @@ class EnvSection:
 
     name: str  # an openk2.rl.tasks name; the metrics' per-environment keys end in "/<name>"
     task: str = ""  # the task to build when `name` is only a label (two envs over one task); "": `name`
+    # (an import path "my_tasks:MyTask" names a task of your own that Ray rollout workers can rebuild too)
     weight: float = 1.0  # share of the new groups (weights are normalised over the envs)
     difficulties: list[int] = field(default_factory=lambda: [1])
     max_tokens: int = 0  # this environment's response budget; 0: rollout.max_tokens, else the task's own
@@ -249,6 +251,11 @@ class RLConfig:
     train: TrainSection = field(default_factory=TrainSection)
     envs: list[EnvSection] = field(default_factory=list)  # [[envs]]; empty: the one environment [task]
     out_dir: str = "runs/rl-tiny"
+
+    def __post_init__(self) -> None:
+        if self.rollout.placement == "ray":  # the workers rebuild tool tasks by name: fail here, not inside Ray
+            for env in self.environments():
+                tasks.check_rebuildable(env.task_name)
 
     def held_out_seed(self) -> int:
         """The seed the held-out problems are drawn with: `task.eval_seed`, or `train.seed` when it is -1."""

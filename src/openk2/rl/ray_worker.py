@@ -23,6 +23,7 @@ import torch
 from openk2.config import ModelConfig
 from openk2.data.tokenizer import K2Tokenizer
 from openk2.model import K2ForCausalLM
+from openk2.rl import tasks
 from openk2.rl.ckpt_engine import CheckpointEngine, copy_into
 from openk2.rl.rollout import Group, PartialRollout, RolloutStats
 from openk2.rl.sync_group import StandaloneGroup
@@ -65,13 +66,25 @@ class RolloutWorker:
             self.model.to(torch.bfloat16)
         self.state = dict(self.model.state_dict())
         self.partial = rollout
-        self.tools = {name: ToolRollout.from_spec(spec, self.tokenizer) for name, spec in (tools or {}).items()}
+        # A constructor's exception reaches the driver only as Ray's "the actor died ... in its creation task"
+        # header line; raised from the first call instead (pid(), which the driver waits on), it arrives as itself.
+        self.start_error: ValueError | None = None
+        try:
+            self.tools = {name: _rebuild(name, spec, self.tokenizer) for name, spec in (tools or {}).items()}
+        except ValueError as err:
+            self.tools, self.start_error = {}, err
         self.group: StandaloneGroup | None = None
         self.engine: CheckpointEngine | None = None
 
     def pid(self) -> int:
-        """This worker's process id (answers once the constructor has finished)."""
+        """This worker's process id (answers once the constructor has finished; raises what it could not
+        build)."""
+        self._started()
         return os.getpid()
+
+    def _started(self) -> None:
+        if self.start_error is not None:
+            raise self.start_error
 
     def join(self, host: str, port: int, rank: int, world_size: int, backend: str, bucket_bytes: int,
              timeout_s: float) -> int:
@@ -92,6 +105,7 @@ class RolloutWorker:
         """Run one rollout phase on `groups` (paused ones first, as the trainer orders them), then play
         `tool_groups` to their end; returns both, complete or paused, and the phase's stats (`new_tokens`
         counting the tool episodes' sampled tokens too)."""
+        self._started()
         self.partial.paused = []
         _, stats = self.partial.run(self.model, self.tokenizer, groups, iteration=iteration, version=version,
                                     temperature=temperature)
@@ -106,6 +120,23 @@ class RolloutWorker:
         """`state_digest` of the inference copy."""
         return state_digest(self.model)
 
+    def tool_tasks(self) -> dict[str, str]:
+        """Each tool environment's task as this worker rebuilt it: its class, 'module:qualname'."""
+        return {name: f"{type(t.task).__module__}:{type(t.task).__qualname__}" for name, t in self.tools.items()}
+
+
+def _rebuild(env: str, spec: Mapping[str, Any], tokenizer: K2Tokenizer) -> ToolRollout:
+    """Tool environment `env` from its spec; a task this process cannot build is a one-line ValueError."""
+    try:
+        return ToolRollout.from_spec(spec, tokenizer)
+    except ValueError as err:
+        name = str(spec["task"])
+        # the driver's config check (tasks.check_rebuildable) catches a register()ed name unless it was
+        # registered after the config was loaded: say what is missing here, in one line
+        hint = ("; a task registered (openk2.rl.tasks.register) only in the driver process does not exist in a "
+                'rollout worker: name it by import path, task = "module:Factory"'
+                if name not in tasks.names() and ":" not in name else "")
+        raise ValueError(f"rollout worker: cannot rebuild tool environment {env!r}: {err}{hint}") from None
 
 
 __all__ = ["RolloutWorker", "state_digest", "tokenizer_files"]
