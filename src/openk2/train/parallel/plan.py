@@ -3,7 +3,8 @@
 Per rank: parameters, gradients, master weights, optimizer state (counted from the meta-built share, so the
 counts are the trainer's own), activations (activations.py, at train.batch_size x data.seq_len under the
 `[memory]` options, times the micro-batches the pipeline schedule keeps in flight on that rank, counted on the
-rank's own interleaved 1F1B action list with parallel.pp_extra_warmup's extra forwards) and transient
+rank's own interleaved 1F1B action list with parallel.pp_extra_warmup's extra forwards; each stage-micro-batch
+also holds its RoPE tables, `rope_table_bytes`) and transient
 buffers (the optimizer step's flat gathers, pipeline receive buffers, a recomputed layer). Total = the
 persistent states + the larger of the two phases (forward/backward vs optimizer step).
 
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from openk2.config import ModelConfig
 from openk2.model.attention_core import short_path_rule
 from openk2.model.moe import CPU_ALIGN_ROWS, RoutedExperts, pads_expert_rows
 from openk2.optim.param_groups import default_muon_filter
@@ -197,6 +199,14 @@ def activation_model(cfg: RunConfig, parallel: ParallelConfig, part, device_type
                            expert_pad_rows=local * (CPU_ALIGN_ROWS - 1) / tokens if aligned else 0.0)
 
 
+def rope_table_bytes(model: ModelConfig) -> int:
+    """Bytes per token of the RoPE cos and sin tables, fp32 [B, T, R/2] each (model/rope.py), that a forward (each
+    pipeline stage's its own) computes once for all its layers: every layer's rope saves them and every recompute
+    checkpoint keeps them as an input, so they live until backward under every `[memory]` option (no grad_fn:
+    offload leaves them on the device)."""
+    return 2 * 4 * ((model.qk_rope_head_dim + 1) // 2)
+
+
 def _activation_bytes(cfg: RunConfig, parallel: ParallelConfig, part, pp_rank: int,
                       device_type: str, fp32_weights: bool = True) -> tuple[int, int, int]:
     """(activations held at the peak, pipeline receive buffers, one recomputed layer) in bytes."""
@@ -207,9 +217,10 @@ def _activation_bytes(cfg: RunConfig, parallel: ParallelConfig, part, pp_rank: i
     stage_ids = part.stage_ids if isinstance(part, PipelineModel) else [0]
     if not isinstance(part, PipelineModel):
         ranges = [range(model.num_hidden_layers)]
-    # Per micro-batch: per-token bytes times tokens, plus the layers' bf16 weight copies under autocast.
+    # Per micro-batch: per-token bytes times tokens, plus the layers' bf16 weight copies under autocast and the
+    # stage's RoPE tables.
     per_stage = [sum(act.layer(model.is_moe_layer(i)) * tokens + act.layer_weight_copies(model.is_moe_layer(i))
-                     for i in ranges[s]) for s in stage_ids]
+                     for i in ranges[s]) + rope_table_bytes(model) * tokens for s in stage_ids]
     in_flight = in_flight_microbatches(parallel, pp_rank, cfg.train.grad_accum)
     held = in_flight * max(per_stage)
     head = act.head() * tokens + act.head_weight_copy()
