@@ -10,8 +10,10 @@ Three independent switches, set in a run's `[memory]` table and applied by `appl
 * `fp8_activations`: inside SwiGLU blocks (routed experts, shared experts, dense MLPs) the report's set of saved
   activations -- the block input (what the up/gate projections read) and the SwiGLU inputs (the gate and up
   projection outputs) -- is stored as float8_e4m3fn in 1x128 tiles along the last dim with one fp32 scale per
-  tile (amax / 448), via saved-tensor hooks; compute stays in the model's dtype. The block's other saves
-  (silu(gate), the product the down-projection reads) are handed on to the enclosing hooks unchanged.
+  tile (amax / 448), via saved-tensor hooks; compute stays in the model's dtype. A tensor saved by several ops
+  (the block input, which the gate and the up matmul both save) is quantised once and both unpacks read that copy.
+  The block's other saves (silu(gate), the product the down-projection reads) are handed on to the enclosing
+  hooks unchanged.
 * `cpu_offload`: every remaining activation saved for backward (not a weight, not FP8 tiles) is copied to host
   memory during the forward and copied back when backward needs it. On CUDA the copy goes to pinned memory on
   a side stream, overlapping the forward's compute; on CPU the same mechanism runs (a host copy per tensor),
@@ -205,16 +207,46 @@ class _Delegated:
     unpack: Callable
 
 
-def _fp8_hooks(region: _Region):
+def _saved_key(t: torch.Tensor) -> tuple:
+    """What makes two saved tensors the same values: one storage, offset, shape, strides, dtype and version
+    (gate and up each save their own view of the block input; an in-place write bumps the version)."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version
+
+
+class _SaveOnce:
+    """Packed values keyed by `_saved_key`, for one block's forward: a repeated save gets the first one back."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple, tuple[object, StorageWeakRef]] = {}
+
+    def get(self, t: torch.Tensor, make: Callable[[torch.Tensor], object]) -> object:
+        key = _saved_key(t)
+        seen = self._seen.get(key)
+        if seen is not None and not seen[1].expired():  # expired: the address was freed and reused meanwhile
+            return seen[0]
+        packed = make(t)
+        self._seen[key] = (packed, StorageWeakRef(t.untyped_storage()))
+        return packed
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
+@contextmanager
+def _fp8_hooks(region: _Region) -> Iterator[None]:
     """Hooks storing the report's set in FP8: the block input (read by the up/gate projections) and the
-    SwiGLU inputs (the gate/up matmul outputs). Everything else saved in the block (silu(gate), the product,
-    weights) goes to the enclosing hooks, so checkpointing recomputes it and offloading moves it."""
+    SwiGLU inputs (the gate/up matmul outputs), one copy per tensor however many ops save it. Everything else
+    saved in the block (silu(gate), the product, weights) goes to the enclosing hooks, so checkpointing
+    recomputes it and offloading moves it."""
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    # Per block call, so a checkpoint's replay quantises afresh and never reads the forward's copies.
+    once = _SaveOnce()
 
     def pack(t: torch.Tensor):
         floating = t.dtype in (torch.float32, torch.bfloat16, torch.float16) and t.numel() > 0
         if floating and (region.reads_input(t) or _is_matmul_output(t)) and is_activation(t):
-            return quantize_fp8(t)
+            return once.get(t, quantize_fp8)
         return _Delegated(outer[0](t), outer[1]) if outer is not None else t
 
     def unpack(packed):
@@ -222,7 +254,11 @@ def _fp8_hooks(region: _Region):
             return dequantize_fp8(packed)
         return packed.unpack(packed.packed) if isinstance(packed, _Delegated) else packed
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        once.clear()  # the graph holds the copies from here on
 
 
 @dataclass
@@ -254,22 +290,19 @@ class ActivationOffloader:
         self.stats = OffloadStats()
         self._stream = None
         # One host copy per tensor saved several times in a forward (gate and up both save the block input).
-        self._seen: dict[tuple, tuple[_HostCopy, StorageWeakRef]] = {}
+        self._once = _SaveOnce()
 
     def pack(self, t: torch.Tensor):
         if t.nbytes < self.min_bytes or not is_activation(t):
             return t
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
-        seen = self._seen.get(key)
-        if seen is not None and not seen[1].expired():  # expired: the address was freed and reused meanwhile
-            return seen[0]
+        return self._once.get(t, self._offload)
+
+    def _offload(self, t: torch.Tensor) -> _HostCopy:
         copy = self._to_host(t)
         self.stats.tensors += 1
         self.stats.bytes += t.nbytes
         self.stats.held_bytes += t.nbytes
         copy.stats = self.stats
-        self._seen[key] = (copy, StorageWeakRef(storage))
         return copy
 
     def _to_host(self, t: torch.Tensor) -> _HostCopy:
@@ -302,7 +335,7 @@ class ActivationOffloader:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
-            self._seen.clear()
+            self._once.clear()
 
 
 # ---------------------------------------------------------------------------------------------- applying

@@ -28,11 +28,11 @@ CONFIGS = sorted((Path(__file__).parents[3] / "configs").glob("*.toml"))
 NOT_RUN_PREFIXES = ("pipeline-", "rl-", "synth-")  # other commands' files (openk2 pipeline / rl / synth)
 NOT_RUN_CONFIGS = {p.name for p in CONFIGS if p.name.startswith(NOT_RUN_PREFIXES)}
 # Relative tolerance of plan / measured tensor bytes (_held_after_forward) on the micro model below, per option set.
-# Measured (4 x 128 tokens): fp32 none, selective, full 1.000 and fp8 0.975, selective+fp8 0.932 (FP8 saves the
-# plan does not count yet); bf16 autocast none 0.994, selective 1.009 (padded expert rows planned at their bound),
-# full 1.000. Full recompute holds only layer inputs, RoPE tables and the head: nothing data-dependent. The FP8 gap
-# is a second FP8 copy of each SwiGLU block input (gate and up each quantise it; docs/parallelism.md).
-ACTIVATION_TOLERANCE = {"none": 0.01, "selective": 0.02, "full": 0.002, "fp8": 0.04, "selective+fp8": 0.09}
+# Measured (4 x 128 tokens): fp32 none, selective, full, fp8, selective+fp8 1.000; bf16 autocast none 0.994,
+# selective 1.009 (padded expert rows planned at their bound), full 1.000. Full recompute holds only layer inputs,
+# RoPE tables and the head: nothing data-dependent. FP8 was 0.975 / 0.932 while its hooks quantised each SwiGLU
+# block input twice (gate and up both save it; docs/parallelism.md): 0.2% catches that copy coming back.
+ACTIVATION_TOLERANCE = {"none": 0.01, "selective": 0.02, "full": 0.002, "fp8": 0.002, "selective+fp8": 0.002}
 
 
 def test_the_config_list_is_complete():

@@ -110,12 +110,13 @@ def test_plan_counts_the_extra_in_flight_micro_batches():
     assert [in_flight_microbatches(extra2, r, 4) for r in (0, 1)] == [7, 5]
     from openk2.train.parallel.build import meta_model_part
     from openk2.train.parallel.mesh import ParallelMesh
-    from openk2.train.parallel.plan import activation_model
+    from openk2.train.parallel.plan import activation_model, rope_table_bytes
 
     part, _ = meta_model_part(cfg.model, ParallelMesh(cfg.parallel, None, 0, 0, 0, 0))
     act = activation_model(cfg, cfg.parallel, part, "cpu")  # the plan's own counts (fp32 on CPU: fused kernel)
     tokens = cfg.train.batch_size * cfg.data.seq_len
-    stage = tokens * max(act.layer(cfg.model.is_moe_layer(i)) for i in range(4))  # one layer per stage
+    # one layer per stage, and the stage-micro-batch's own RoPE tables
+    stage = tokens * (max(act.layer(cfg.model.is_moe_layer(i)) for i in range(4)) + rope_table_bytes(cfg.model))
     head = tokens * act.head()
     # Rank 0 (stages 0, 2) holds e more stage-micro-batches. Rank 1 (stages 1, 3; 3 is the last) forwards
     # 1:0 1:1 | 3:0 3:1 | 1:2 ...; at its peak it holds, with e = 0: 1:0 1:1 3:0 (one with logits); e = 1:

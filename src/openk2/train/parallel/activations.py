@@ -97,8 +97,8 @@ class ActivationModel:
         shared = self._swiglu(c.moe_intermediate_size * c.n_shared_experts)
         if self.autocast and c.n_shared_experts:
             shared += 2 * a * d  # gate and up read the fp32 norm output
-        if self.memory.fp8_activations:  # its input's FP8 copy, beside the full one the router keeps
-            shared += fp8_bytes(d)
+        if self.memory.fp8_activations and not self.autocast:  # its input's FP8 copy, beside the router's
+            shared += fp8_bytes(d)  # (autocast: gate and up read bf16 copies, not the input the hooks quantise)
         return router + routed + shared
 
     def _selective(self, moe: bool) -> float:
@@ -112,17 +112,18 @@ class ActivationModel:
         kept += a * c.hidden_size  # o_proj output
         fp8 = self.memory.fp8_activations
         # The policy keeps a SwiGLU gate/up output only if the matmul reads the block input itself; under autocast
-        # the dense MLP and shared expert read a bf16 copy of their fp32 input, so none is kept (train/memory.py).
+        # the dense MLP and shared expert read a bf16 copy of their fp32 input, so none is kept (train/memory.py),
+        # and the FP8 hooks quantise no copy of that input either.
         reads_input = 0 if self.autocast else 1
         if moe:
             k, d, i = c.num_experts_per_tok + self.expert_pad_rows, c.hidden_size, c.moe_intermediate_size
             s = i * c.n_shared_experts
             kept += 4 * c.n_routed_experts  # the router's fp32 matmul
             kept += k * (fp8_bytes(d) + 2 * fp8_bytes(i)) if fp8 else 2 * a * k * i
-            kept += fp8_bytes(d) + 2 * fp8_bytes(s) if fp8 else 2 * a * s * reads_input
+            kept += fp8_bytes(d) * reads_input + 2 * fp8_bytes(s) if fp8 else 2 * a * s * reads_input
         else:
             d, i = c.hidden_size, c.intermediate_size
-            kept += fp8_bytes(d) + 2 * fp8_bytes(i) if fp8 else 2 * a * i * reads_input
+            kept += fp8_bytes(d) * reads_input + 2 * fp8_bytes(i) if fp8 else 2 * a * i * reads_input
         return kept
 
     # ------------------------------------------------------------------ per token
@@ -132,7 +133,7 @@ class ActivationModel:
         mlp = self._moe() if moe else self._swiglu(c.intermediate_size)
         if self.autocast and not moe:  # gate and up read the fp32 norm output: a bf16 copy each
             mlp += 2 * self.act_bytes * c.hidden_size
-        if self.memory.fp8_activations and not moe:
+        if self.memory.fp8_activations and not moe and not self.autocast:  # autocast: see _moe
             mlp += fp8_bytes(c.hidden_size) - self.act_bytes * c.hidden_size  # the block input in FP8
         return 2 * self._norm(c.hidden_size) + self._attention() + mlp
 
