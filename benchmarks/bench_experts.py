@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPES, machine_summary  # noqa: E402
+from common import DTYPES, alternating_cpu_times, machine_summary  # noqa: E402
 
 from openk2 import K2ForCausalLM, ModelConfig  # noqa: E402
 from openk2.model.moe import RoutedExperts, Routing, aligned_rows, grouped_linear  # noqa: E402
@@ -160,16 +159,13 @@ def main(argv: list[str] | None = None) -> None:
         worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, reference, strict=True))
         print(f"  {name:<20} largest difference from loop (output, dx, expert grads; relative to max): {worst:.1e}")
 
-    times: dict[str, list[float]] = {k: [] for k in table}
-    for i in range(args.repeats + 1):  # round 0 warms up
+    def prepare(name: str, i: int):  # round i takes the next captured routing (round 0 warms up)
         x_i, r_i = seen[i % len(seen)]
-        for name in list(table) if i % 2 == 0 else list(table)[::-1]:
-            x = x_i.clone().requires_grad_(True)
-            ex.zero_grad(set_to_none=True)
-            start = time.process_time()
-            table[name](ex, x, r_i).backward(grad_out)
-            if i:
-                times[name].append(time.process_time() - start)
+        x = x_i.clone().requires_grad_(True)
+        ex.zero_grad(set_to_none=True)
+        return lambda: table[name](ex, x, r_i).backward(grad_out)
+
+    times = alternating_cpu_times(list(table), prepare, args.repeats)
     base = statistics.median(times["loop"]) if "loop" in times else None
     print(f"\nforward+backward of one MoE layer's routed experts, CPU ms per call (median of {args.repeats}, "
           f"{len(seen)} routings cycled):")

@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPES, machine_summary  # noqa: E402
+from common import DTYPES, alternating_cpu_times, machine_summary  # noqa: E402
 
 from openk2 import ModelConfig  # noqa: E402
 
@@ -44,6 +43,16 @@ def fused(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, grads: list[torch
     return torch.autograd.grad(list(outs), (x, w1, w2), grads)
 
 
+VARIANTS = {"separate": separate, "fused": fused}
+
+
+def time_variants(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, grads: list[torch.Tensor],
+                  repeats: int) -> dict[str, list[float]]:
+    """CPU seconds per call of each variant on these inputs, interleaved, after two warm-up rounds."""
+    return alternating_cpu_times(list(VARIANTS), lambda k, _i: lambda: VARIANTS[k](x, w1, w2, grads), repeats,
+                                 warmup=2)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -61,16 +70,8 @@ def main(argv: list[str] | None = None) -> None:
         w1, w2 = (torch.randn(o, d, generator=g).to(dtype).requires_grad_() for o in (o1, o2))
         grads = [torch.randn(args.rows, o, generator=g).to(dtype) for o in (o1, o2)]
 
-        variants = {"separate": lambda x=x, w1=w1, w2=w2, grads=grads: separate(x, w1, w2, grads),
-                    "fused": lambda x=x, w1=w1, w2=w2, grads=grads: fused(x, w1, w2, grads)}
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        for i in range(args.repeats + 2):
-            for k in list(variants) if i % 2 == 0 else list(variants)[::-1]:
-                start = time.process_time()
-                variants[k]()
-                if i >= 2:
-                    times[k].append(time.process_time() - start)
-        sep, fus = (statistics.median(times[k]) * 1e3 for k in variants)
+        times = time_variants(x, w1, w2, grads, args.repeats)
+        sep, fus = (statistics.median(times[k]) * 1e3 for k in VARIANTS)
         print(f"{args.preset} {name:<17} [{args.rows} x {d}] -> {o1} + {o2}: separate {sep:6.2f} ms, "
               f"fused {fus:6.2f} ms, separate/fused {sep / fus:.2f}x", flush=True)
     print(f"machine after: {machine_summary()}")

@@ -5,7 +5,7 @@ A TorchDispatchMode times every ATen call the step makes (forward and backward a
 figures hold under other processes' load (1 thread). It answers what the profiler's wall times cannot on a
 loaded machine: how much of each model's step the matmul kernels both share take (`mm`, `_grouped_mm`,
 `bmm`), and so the step time a given speed-up of everything else could reach. The step of least in-op time of
-`--steps` is reported, after two warm-up steps.
+`--steps` is reported, after two warm-up steps; the two models alternate step by step.
 
 Usage: python benchmarks/bench_op_cpu.py --preset tiny --steps 4 --top 16
 """
@@ -22,10 +22,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import hf_copy, machine_summary  # noqa: E402
+from common import alternating_cpu_times, hf_copy, machine_summary  # noqa: E402
 
 from openk2 import K2ForCausalLM, ModelConfig  # noqa: E402
 
+WARMUP = 2  # untimed steps per model first (oneDNN builds its kernels, the allocator settles)
 MATMULS = ("mm", "_grouped_mm", "bmm", "addmm", "baddbmm")
 
 
@@ -69,20 +70,26 @@ def main(argv: list[str] | None = None) -> None:
     ours = ours.to(torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), generator=gen)
-               for _ in range(2 + args.steps)]
-    for who, model, kwargs in (("ours", ours, {}), ("HF", hf, {"use_cache": False})):
-        for ids in batches[:2]:
-            step(model, ids, **kwargs)
-        best = None
-        for ids in batches[2:]:
-            mode = OpCpuTimes()
-            start = time.process_time()
+               for _ in range(WARMUP + args.steps)]
+    runs = {"ours": (ours, {}), "HF": (hf, {"use_cache": False})}
+    modes: dict[str, list[OpCpuTimes]] = {who: [] for who in runs}
+
+    def prepare(who: str, i: int):
+        model, kwargs = runs[who]
+        if i < WARMUP:
+            return lambda: step(model, batches[i], **kwargs)
+        mode = OpCpuTimes()
+        modes[who].append(mode)
+
+        def timed() -> None:
             with mode:
-                step(model, ids, **kwargs)
-            total = time.process_time() - start
-            if best is None or sum(mode.seconds.values()) < sum(best[0].seconds.values()):
-                best = (mode, total)
-        mode, total = best
+                step(model, batches[i], **kwargs)
+        return timed
+
+    totals = alternating_cpu_times(list(runs), prepare, args.steps, warmup=WARMUP)
+    for who in runs:
+        best = min(range(args.steps), key=lambda j: sum(modes[who][j].seconds.values()))
+        mode, total = modes[who][best], totals[who][best]
         in_ops = sum(mode.seconds.values())
         matmul = sum(t for k, t in mode.seconds.items() if k in MATMULS)
         print(f"\n{who}: step {total:.3f} s CPU under the mode, {in_ops:.3f} s inside ATen ops; matmul kernels "

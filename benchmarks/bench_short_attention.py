@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPES, machine_summary  # noqa: E402
+from common import DTYPES, alternating_cpu_times, machine_summary  # noqa: E402
 
 from openk2 import ModelConfig  # noqa: E402
 from openk2.model.attention_core import fused_attend  # noqa: E402
@@ -44,6 +43,13 @@ def worst_error(kernel, q, k, v, scale, grad_out) -> float:
     ref = F.scaled_dot_product_attention(*ref_in, is_causal=True, scale=scale)
     want = [ref, *torch.autograd.grad(ref, ref_in, grad_out.double())]
     return max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want, strict=True))
+
+
+def time_kernels(q, k, v, scale: float, grad_out, repeats: int) -> dict[str, list[float]]:
+    """CPU seconds per forward + backward of each kernel on these inputs, interleaved, after one warm-up round."""
+    return alternating_cpu_times(
+        list(KERNELS), lambda n, _i: lambda: torch.autograd.grad(KERNELS[n](q, k, v, scale), (q, k, v), grad_out),
+        repeats)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,13 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             v = torch.randn(b, h, t, vd, generator=g).to(dtype).requires_grad_()
             grad_out = torch.randn(b, h, t, vd, generator=g).to(dtype)
             errors = {n: worst_error(fn, q, k, v, scale, grad_out) for n, fn in KERNELS.items()}
-            times: dict[str, list[float]] = {n: [] for n in KERNELS}
-            for i in range(args.repeats + 1):
-                for n in list(KERNELS) if i % 2 == 0 else list(KERNELS)[::-1]:
-                    start = time.process_time()
-                    torch.autograd.grad(KERNELS[n](q, k, v, scale), (q, k, v), grad_out)
-                    if i:
-                        times[n].append(time.process_time() - start)
+            times = time_kernels(q, k, v, scale, grad_out, args.repeats)
             med = {n: statistics.median(x) * 1e3 for n, x in times.items()}
             cells = " | ".join(f"{med[n]:.1f} ms (err {errors[n]:.0e})" for n in KERNELS)
             print(f"| {name} | {t} | {b} | {cells} | {med['flash (v padded)'] / med['short']:.2f}x |", flush=True)

@@ -20,13 +20,12 @@ import contextlib
 import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_summary  # noqa: E402
+from common import alternating_cpu_times, machine_summary  # noqa: E402
 
 import openk2.model.attention_core as attention_core  # noqa: E402
 import openk2.model.moe as moe  # noqa: E402
@@ -72,6 +71,12 @@ def step(model: torch.nn.Module, ids: torch.Tensor) -> float:
     return loss.item()
 
 
+def switched_step(model: torch.nn.Module, ids: torch.Tensor, off: list[str]) -> float:
+    """`step` with the named options off (the switch is a few setattrs: microseconds of a step)."""
+    with switched_off(off):
+        return step(model, ids)
+
+
 def check_fp32(model: torch.nn.Module, ids: torch.Tensor, off: list[str]) -> None:
     """All options on (forced, they are bf16-only) vs all off in fp32: the same loss and gradients (rtol 1e-5)."""
     results = []
@@ -112,16 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     variants = {"all on": [], "all off": names}
     if not args.no_leave_one_out and len(names) > 1:
         variants.update({f"off: {n}": [n] for n in names})
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    for i, ids in enumerate(batches):
-        order = list(variants) if i % 2 == 0 else list(variants)[::-1]
-        for v in order:
-            with switched_off(variants[v]):
-                start = time.process_time()
-                step(model, ids)
-                spent = time.process_time() - start
-            if i >= args.warmup:
-                times[v].append(spent)
+    times = alternating_cpu_times(list(variants), lambda v, i: lambda: switched_step(model, batches[i], variants[v]),
+                                  args.rounds, warmup=args.warmup)
     off = statistics.median(times["all off"])
     print(f"\n{args.preset}, bf16, batch {args.batch_size} x {args.seq_len}, {args.threads} thread(s): process CPU "
           f"s per step, median of {args.rounds} rounds (after {args.warmup} warm-up)")

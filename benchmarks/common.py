@@ -1,4 +1,5 @@
-"""Small helpers shared by the benchmark scripts: wall-clock timing with medians, a matmul ceiling, machine info."""
+"""Small helpers shared by the benchmark scripts: wall-clock timing with medians, alternating CPU-time A/B rounds,
+HF copies, machine info, gloo ranks."""
 
 from __future__ import annotations
 
@@ -34,6 +35,27 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tupl
         fn()
     times = [time_call(fn) for _ in range(repeats)]
     return statistics.median(times), times
+
+
+def alternating_cpu_times(names: list[str], prepare: Callable[[str, int], Callable[[], object]], rounds: int,
+                          warmup: int = 1) -> dict[str, list[float]]:
+    """{name: process CPU seconds of its call in each of `rounds` rounds}, after `warmup` untimed rounds.
+
+    In round i every variant runs once, in the order of `names` on even rounds and reversed on odd ones, so slow
+    drift (load, caches, the allocator) hits all alike. `prepare(name, i)` does that call's untimed setup (fresh
+    inputs, zeroed grads) and returns the call to time. CPU time rather than wall time: with one thread it is
+    robust to other processes' load."""
+    order = list(names)
+    times: dict[str, list[float]] = {name: [] for name in order}
+    for i in range(warmup + rounds):
+        for name in order if i % 2 == 0 else order[::-1]:
+            call = prepare(name, i)
+            start = time.process_time()
+            call()
+            spent = time.process_time() - start
+            if i >= warmup:
+                times[name].append(spent)
+    return times
 
 
 def quiet_transformers():

@@ -34,17 +34,17 @@ MAX_PROBE_ROWS = 128  # causal blocks skip later keys: short blocks do ~(1 + row
 
 def takes_short_path(q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
     """Whether attention runs as `short_attention` rather than a fused SDPA kernel (`short_path_rule`)."""
-    return short_path_rule(q_BHTK.device.type, q_BHTK.dtype, q_BHTK.shape[2], k_BHSK.shape[2], attn_mask is not None,
-                           torch.compiler.is_compiling())
+    return short_path_rule(q_BHTK.device.type, q_BHTK.dtype, q_BHTK.shape[2], k_BHSK.shape[2], attn_mask is not None)
 
 
-def short_path_rule(device_type: str, dtype: torch.dtype, queries: int, keys: int, masked: bool,
-                    compiling: bool) -> bool:
-    """`takes_short_path` on shapes (the memory plan asks it too): CPU, bf16, eager, at most SHORT_MAX_KEYS keys,
-    causal only when as many queries as keys. In fp32 it measured 0.85-1.12x the flash kernel at 128-512 keys,
-    for more saved memory, so fp32 keeps the kernel."""
+def short_path_rule(device_type: str, dtype: torch.dtype, queries: int, keys: int, masked: bool) -> bool:
+    """`takes_short_path` on shapes (the memory plan asks it too): CPU, bf16, at most SHORT_MAX_KEYS keys, causal
+    only when as many queries as keys, eager or compiled (traced into compiled blocks it measured 1.06-1.16x the
+    compiled step with the flash kernel, docs/benchmarks.md; tests/model/test_compile.py checks it against eager).
+    In fp32 it measured 0.85-1.12x the flash kernel at 128-512 keys, for more saved memory, so fp32 keeps the
+    kernel."""
     return (device_type == "cpu" and dtype == torch.bfloat16 and keys <= SHORT_MAX_KEYS
-            and (masked or queries == keys) and not compiling)
+            and (masked or queries == keys))
 
 
 def attend(q_BHTK: torch.Tensor, k_BHSK: torch.Tensor, v_BHSV: torch.Tensor, scale: float,

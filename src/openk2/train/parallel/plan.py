@@ -189,7 +189,7 @@ def activation_model(cfg: RunConfig, parallel: ParallelConfig, part, device_type
     compiling = cfg.train.compile and not parallel.enabled  # only the single-device trainer compiles its blocks
     seq, tokens = cfg.data.seq_len, cfg.train.batch_size * cfg.data.seq_len
     # Training attends as many queries as keys (causal or packed-document masks alike).
-    short = short_path_rule(device_type, dtype, seq, seq, False, compiling)
+    short = short_path_rule(device_type, dtype, seq, seq, False)
     experts = [m for m in part.modules() if isinstance(m, RoutedExperts)]
     local = experts[0].gate_proj.shape[0] if experts else 0
     aligned = (bool(experts) and all(type(m).forward is RoutedExperts.forward and m.use_grouped_mm for m in experts)
