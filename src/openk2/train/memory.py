@@ -15,9 +15,12 @@ Three independent switches, set in a run's `[memory]` table and applied by `appl
   The block's other saves (silu(gate), the product the down-projection reads) are handed on to the enclosing
   hooks unchanged.
 * `cpu_offload`: every remaining activation saved for backward (not a weight, not FP8 tiles) is copied to host
-  memory during the forward and copied back when backward needs it. On CUDA the copy goes to pinned memory on
-  a side stream, overlapping the forward's compute; on CPU the same mechanism runs (a host copy per tensor),
-  which costs time and saves nothing, so it is only exercised and measured there.
+  memory during the forward and copied back when backward needs it. That includes tensors without autograd
+  history that an autograd.Function computes and saves inside its forward (RMSNorm's normalised input, the
+  loss's log-sum-exp, short attention's probabilities) and the RoPE tables; the model's parameters and buffers
+  stay. On CUDA the copy goes to pinned memory on a side stream, overlapping the forward's compute; on CPU the
+  same mechanism runs (a host copy per tensor), which costs time and saves nothing, so it is only exercised and
+  measured there.
 
 How they compose: recompute regions are torch.utils.checkpoint (non-reentrant) regions. The FP8 hooks are
 pushed inside them and pass what they do not quantise on to the checkpoint's hooks, so with selective
@@ -282,6 +285,18 @@ class _HostCopy:
             self.stats.held_bytes -= self.host.nbytes
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: its local shard's storage
+    return local.untyped_storage().data_ptr()
+
+
+def _state_storages(module: nn.Module | None) -> set[int]:
+    """Storage addresses of a module's parameters and buffers (weights saved for backward stay on the device)."""
+    if module is None:
+        return set()
+    return {_storage_ptr(t) for t in (*module.parameters(), *module.buffers())}
+
+
 class ActivationOffloader:
     """Saved-tensor hooks that move activations to host memory in the forward and back in the backward."""
 
@@ -291,11 +306,21 @@ class ActivationOffloader:
         self._stream = None
         # One host copy per tensor saved several times in a forward (gate and up both save the block input).
         self._once = _SaveOnce()
+        self._state: set[int] = set()  # the module's parameter and buffer storages, taken per forward
 
     def pack(self, t: torch.Tensor):
-        if t.nbytes < self.min_bytes or not is_activation(t):
+        if t.nbytes < self.min_bytes or not self._moves(t):
             return t
         return self._once.get(t, self._offload)
+
+    def _moves(self, t: torch.Tensor) -> bool:
+        """True for an activation; False for the module's weights and buffers, their views and casts."""
+        if t.grad_fn is not None or t.requires_grad:
+            return is_activation(t)  # a parameter (a leaf needing its grad) or a view/cast of one stays
+        # No autograd history: a buffer or a frozen weight -- or an activation an autograd.Function computed and
+        # saved inside its forward (RMSNorm's x^, the loss's log-sum-exp), an index, a RoPE table, which
+        # is_activation calls constants: those held 23 MiB on the device per forward of the small preset.
+        return _storage_ptr(t) not in self._state
 
     def _offload(self, t: torch.Tensor) -> _HostCopy:
         copy = self._to_host(t)
@@ -329,13 +354,16 @@ class ActivationOffloader:
         return packed.host.to(packed.device, non_blocking=True)
 
     @contextmanager
-    def hooks(self) -> Iterator[None]:
-        """Offload what the forward saves inside this block (deduplicated within the block)."""
+    def hooks(self, module: nn.Module | None = None) -> Iterator[None]:
+        """Offload what the forward saves inside this block (deduplicated within the block); `module`'s
+        parameters and buffers stay where they are."""
+        self._state = _state_storages(module)  # per forward: FSDP or `.to()` may have moved them since
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
             self._once.clear()
+            self._state = set()
 
 
 # ---------------------------------------------------------------------------------------------- applying
@@ -406,10 +434,10 @@ def _checkpointed_layer(policy: Callable | None, forward: Callable) -> Callable:
     return run
 
 
-def _offloaded_forward(offloader: ActivationOffloader, forward: Callable) -> Callable:
+def _offloaded_forward(offloader: ActivationOffloader, module: nn.Module, forward: Callable) -> Callable:
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with offloader.hooks():
+        with offloader.hooks(module):
             return forward(*args, **kwargs)
     return run
 
@@ -443,7 +471,7 @@ def _apply(model: nn.Module, cfg: MemorySection, handle: MemoryHandle) -> None:
                 _patch(handle, module, "forward", functools.partial(_checkpointed_layer, policy))
     if cfg.cpu_offload:
         handle.offloader = ActivationOffloader(cfg.offload_min_bytes)
-        _patch(handle, model, "forward", functools.partial(_offloaded_forward, handle.offloader))
+        _patch(handle, model, "forward", functools.partial(_offloaded_forward, handle.offloader, model))
 
 
 # ---------------------------------------------------------------------------------------------- measuring

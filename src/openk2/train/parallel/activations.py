@@ -17,7 +17,7 @@ listed by reading what `saved_tensors_hooks` receive on a real forward:
   outputs, the router's fp32 copy) and of its weight (per forward, not per token: `layer_weight_copies`);
 * the head: final norm, logits and the loss's per-token log-sum-exp and target (model/fused_loss.py).
 
-Memory options (train/memory.py) change the saved set: "full" recompute keeps each layer's fp32 input only;
+Memory options (train/memory.py) change the saved set: "full" recompute keeps each layer's fp32 input (and FP8 tiles);
 "selective" keeps the layer input and the outputs of kept matmuls/attention kernels (not q_b/kv_b/down
 projections); FP8 stores SwiGLU block inputs and gate/up outputs in 1 byte (+ one fp32 scale per 128); offload
 moves what remains to the host. Under recompute, backward re-materialises one layer at a time, so one layer's
@@ -140,19 +140,36 @@ class ActivationModel:
     def layer(self, moe: bool) -> float:
         """Bytes per token one decoder layer keeps under the configured options (on the device)."""
         mode = self.memory.recompute
-        if mode == "full":
-            kept = 4.0 * self.config.hidden_size
+        if mode == "full":  # + FP8 tiles: the FP8 hooks sit inside the checkpoint and keep the forward's tiles
+            kept = 4.0 * self.config.hidden_size + self._fp8_tiles(moe)
         elif mode == "selective":
             kept = self._selective(moe)
         else:
             kept = self.plain_layer(moe)
-        if self.memory.cpu_offload:  # what offload leaves on the device: FP8 tiles (the selective cache stays)
-            kept = self._selective(moe) - 4.0 * self.config.hidden_size if mode == "selective" else 0.0
+        if self.memory.cpu_offload and mode == "selective":  # offload moves the layer input, not the cache
+            kept = self._selective(moe) - 4.0 * self.config.hidden_size
+        elif self.memory.cpu_offload:  # FP8 tiles stay on the device
+            kept = self._fp8_tiles(moe)
         return kept
 
+    def _fp8_tiles(self, moe: bool) -> float:
+        """Per token: a layer's FP8 tiles (SwiGLU block inputs, gate and up outputs), which offload never moves."""
+        if not self.memory.fp8_activations:
+            return 0.0
+        c = self.config
+        block_input = 0 if self.autocast else fp8_bytes(c.hidden_size)  # the dense/shared block input (see _moe)
+        if not moe:
+            return 2 * fp8_bytes(c.intermediate_size) + block_input
+        rows = c.num_experts_per_tok + self.expert_pad_rows
+        routed = rows * (fp8_bytes(c.hidden_size) + 2 * fp8_bytes(c.moe_intermediate_size))
+        return routed + 2 * fp8_bytes(c.moe_intermediate_size * c.n_shared_experts) + block_input
+
     def head(self) -> float:
-        """Final norm, logits and the loss's saves per token: fp32 log-sum-exp, int64 target, bool mask."""
+        """Final norm, logits and the loss's saves per token: fp32 log-sum-exp, int64 target, bool mask; under
+        offload only the logits, which the returned output keeps on the device."""
         v = self.config.vocab_size
+        if self.memory.cpu_offload:
+            return self.act_bytes * v
         cast = self.act_bytes * self.config.hidden_size if self.autocast else 0  # lm_head's bf16 input
         return self._norm(self.config.hidden_size) + cast + self.act_bytes * v + 4 + 8 + 1
 

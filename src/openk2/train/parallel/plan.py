@@ -202,8 +202,8 @@ def activation_model(cfg: RunConfig, parallel: ParallelConfig, part, device_type
 def rope_table_bytes(model: ModelConfig) -> int:
     """Bytes per token of the RoPE cos and sin tables, fp32 [B, T, R/2] each (model/rope.py), that a forward (each
     pipeline stage's its own) computes once for all its layers: every layer's rope saves them and every recompute
-    checkpoint keeps them as an input, so they live until backward under every `[memory]` option (no grad_fn:
-    offload leaves them on the device)."""
+    checkpoint keeps them as an input, so they live until backward under every `[memory]` option but CPU
+    offload, which moves them to the host."""
     return 2 * 4 * ((model.qk_rope_head_dim + 1) // 2)
 
 
@@ -218,9 +218,10 @@ def _activation_bytes(cfg: RunConfig, parallel: ParallelConfig, part, pp_rank: i
     if not isinstance(part, PipelineModel):
         ranges = [range(model.num_hidden_layers)]
     # Per micro-batch: per-token bytes times tokens, plus the layers' bf16 weight copies under autocast and the
-    # stage's RoPE tables.
+    # stage's RoPE tables (which CPU offload moves to the host with the other saves).
+    rope = 0 if cfg.memory.cpu_offload else rope_table_bytes(model) * tokens
     per_stage = [sum(act.layer(model.is_moe_layer(i)) * tokens + act.layer_weight_copies(model.is_moe_layer(i))
-                     for i in ranges[s]) + rope_table_bytes(model) * tokens for s in stage_ids]
+                     for i in ranges[s]) + rope for s in stage_ids]
     in_flight = in_flight_microbatches(parallel, pp_rank, cfg.train.grad_accum)
     held = in_flight * max(per_stage)
     head = act.head() * tokens + act.head_weight_copy()
