@@ -182,17 +182,15 @@ def test_cpu_offload_leaves_only_the_returned_tensors_on_the_device(model, ids, 
 
 @pytest.mark.parametrize("cfg", [MemorySection(cpu_offload=True, offload_min_bytes=0),
                                  MemorySection(recompute="full", cpu_offload=True, offload_min_bytes=0),
-                                 MemorySection(recompute="full", fp8_activations=True, cpu_offload=True,
-                                               offload_min_bytes=0),
                                  MemorySection(recompute="selective", cpu_offload=True, offload_min_bytes=0),
                                  MemorySection(fp8_activations=True, cpu_offload=True, offload_min_bytes=0),
                                  MemorySection(recompute="selective", fp8_activations=True, cpu_offload=True,
                                                offload_min_bytes=0)],
-                         ids=["offload", "full+offload", "full+fp8+offload", "selective+offload", "fp8+offload",
+                         ids=["offload", "full+offload", "selective+offload", "fp8+offload",
                               "selective+fp8+offload"])
 def test_plan_counts_what_offload_leaves_on_the_device(model, ids, monkeypatch, cfg):
     """The plan's offload counts (train/parallel/activations.py) against the measured device bytes: the logits,
-    FP8 tiles (also under full recompute, whose checkpoint the FP8 hooks sit inside), the selective cache; the RoPE
+    FP8 tiles, the selective cache; the RoPE
     tables move to the host with the rest (measured: plan / device bytes 0.9990-0.9999)."""
     from openk2.train.parallel.activations import ActivationModel
 
@@ -241,9 +239,9 @@ def test_fp8_storage_keeps_the_loss_and_gradients_close(model, ids, exact):
 
 @pytest.mark.parametrize("cfg", [MemorySection(fp8_activations=True),
                                  MemorySection(recompute="selective", fp8_activations=True),
-                                 MemorySection(recompute="full", fp8_activations=True, cpu_offload=True,
+                                 MemorySection(recompute="selective", fp8_activations=True, cpu_offload=True,
                                                offload_min_bytes=0)],
-                         ids=["fp8", "selective+fp8", "full+fp8+offload"])
+                         ids=["fp8", "selective+fp8", "selective+fp8+offload"])
 def test_fp8_quantises_each_saved_tensor_once(model, ids, monkeypatch, cfg):
     """Gate and up both save the block input: one FP8 copy serves both unpacks, and loss and gradients are
     bit for bit those of quantising every save on its own (the hooks before they deduplicated)."""
@@ -262,6 +260,23 @@ def test_fp8_quantises_each_saved_tensor_once(model, ids, monkeypatch, cfg):
     monkeypatch.setattr(memory, "_saved_key", lambda t: object())  # no two saves match: one copy per save
     ref_loss, ref_grads, _, _, _, _ = _step(model, ids, cfg)
     assert len(calls) == passes * blocks * 4  # the block input twice
+    assert torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
+
+
+def test_fp8_is_ignored_under_full_recompute(model, ids, monkeypatch):
+    """Full recompute saves nothing inside a layer, so FP8 has nothing to compress: the config warns, no tensor is
+    quantised, and loss and gradients are those of full recompute alone (the FP8 hooks used to sit inside the
+    checkpoint, keep the forward's tiles it would have dropped, and quantise the replay's again)."""
+    calls: list[torch.Size] = []
+    monkeypatch.setattr(memory, "quantize_fp8", lambda x: calls.append(x.shape) or quantize_fp8(x))
+    with pytest.warns(UserWarning, match="fp8_activations does nothing"):
+        both = MemorySection(recompute="full", fp8_activations=True)
+    assert not both.fp8_saves
+    loss, grads, _, _, _, _ = _step(model, ids, both)
+    assert calls == []
+    ref_loss, ref_grads, _, _, _, _ = _step(model, ids, MemorySection(recompute="full"))
     assert torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys()
     for name, g in grads.items():
         assert torch.equal(g, ref_grads[name]), name

@@ -17,7 +17,7 @@ listed by reading what `saved_tensors_hooks` receive on a real forward:
   outputs, the router's fp32 copy) and of its weight (per forward, not per token: `layer_weight_copies`);
 * the head: final norm, logits and the loss's per-token log-sum-exp and target (model/fused_loss.py).
 
-Memory options (train/memory.py) change the saved set: "full" recompute keeps each layer's fp32 input (and FP8 tiles);
+Memory options (train/memory.py) change the saved set: "full" recompute keeps each layer's fp32 input (no FP8 there);
 "selective" keeps the layer input and the outputs of kept matmuls/attention kernels (not q_b/kv_b/down
 projections); FP8 stores SwiGLU block inputs and gate/up outputs in 1 byte (+ one fp32 scale per 128); offload
 moves what remains to the host. Under recompute, backward re-materialises one layer at a time, so one layer's
@@ -81,7 +81,7 @@ class ActivationModel:
     def _swiglu(self, width: int, rows: float = 1.0) -> float:
         """gate, up, silu(gate), product: 4 tensors of `width` per row (FP8 stores gate and up)."""
         a = self.act_bytes
-        if self.memory.fp8_activations:
+        if self.memory.fp8_saves:
             return rows * (2 * fp8_bytes(width) + 2 * a * width)
         return rows * 4 * a * width
 
@@ -89,7 +89,7 @@ class ActivationModel:
         c, a = self.config, self.act_bytes
         k, d = c.num_experts_per_tok, c.hidden_size
         router = 4 * c.n_routed_experts + 8 * k + 4 + 4 * k + (4 * d if self.autocast else 0)  # + its fp32 copy
-        row_input = fp8_bytes(d) if self.memory.fp8_activations else a * d
+        row_input = fp8_bytes(d) if self.memory.fp8_saves else a * d
         rows = k + self.expert_pad_rows
         routed = rows * (row_input + 2 * a * d + 4 + 16) + self._swiglu(c.moe_intermediate_size, rows)
         if self.ep > 1:
@@ -97,7 +97,7 @@ class ActivationModel:
         shared = self._swiglu(c.moe_intermediate_size * c.n_shared_experts)
         if self.autocast and c.n_shared_experts:
             shared += 2 * a * d  # gate and up read the fp32 norm output
-        if self.memory.fp8_activations and not self.autocast:  # its input's FP8 copy, beside the router's
+        if self.memory.fp8_saves and not self.autocast:  # its input's FP8 copy, beside the router's
             shared += fp8_bytes(d)  # (autocast: gate and up read bf16 copies, not the input the hooks quantise)
         return router + routed + shared
 
@@ -110,7 +110,7 @@ class ActivationModel:
         if not self.short_attention:  # short_attention's matmuls run without grad (an autograd.Function): none kept
             kept += (a * h * wide + 4 * h) if self.flash_attention else a * h * (self.seq_len + c.v_head_dim)
         kept += a * c.hidden_size  # o_proj output
-        fp8 = self.memory.fp8_activations
+        fp8 = self.memory.fp8_saves
         # The policy keeps a SwiGLU gate/up output only if the matmul reads the block input itself; under autocast
         # the dense MLP and shared expert read a bf16 copy of their fp32 input, so none is kept (train/memory.py),
         # and the FP8 hooks quantise no copy of that input either.
@@ -133,15 +133,15 @@ class ActivationModel:
         mlp = self._moe() if moe else self._swiglu(c.intermediate_size)
         if self.autocast and not moe:  # gate and up read the fp32 norm output: a bf16 copy each
             mlp += 2 * self.act_bytes * c.hidden_size
-        if self.memory.fp8_activations and not moe and not self.autocast:  # autocast: see _moe
+        if self.memory.fp8_saves and not moe and not self.autocast:  # autocast: see _moe
             mlp += fp8_bytes(c.hidden_size) - self.act_bytes * c.hidden_size  # the block input in FP8
         return 2 * self._norm(c.hidden_size) + self._attention() + mlp
 
     def layer(self, moe: bool) -> float:
         """Bytes per token one decoder layer keeps under the configured options (on the device)."""
         mode = self.memory.recompute
-        if mode == "full":  # + FP8 tiles: the FP8 hooks sit inside the checkpoint and keep the forward's tiles
-            kept = 4.0 * self.config.hidden_size + self._fp8_tiles(moe)
+        if mode == "full":  # the layer input (FP8 is off under full recompute: MemorySection.fp8_saves)
+            kept = 4.0 * self.config.hidden_size
         elif mode == "selective":
             kept = self._selective(moe)
         else:
@@ -154,7 +154,7 @@ class ActivationModel:
 
     def _fp8_tiles(self, moe: bool) -> float:
         """Per token: a layer's FP8 tiles (SwiGLU block inputs, gate and up outputs), which offload never moves."""
-        if not self.memory.fp8_activations:
+        if not self.memory.fp8_saves:
             return 0.0
         c = self.config
         block_input = 0 if self.autocast else fp8_bytes(c.hidden_size)  # the dense/shared block input (see _moe)
