@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Bottom to top. A top-level module or package of openk2 sits on exactly one floor.
 FLOORS: list[tuple[str, ...]] = [
-    ("config", "configfile", "rng", "fileio"),  # foundation: shapes, run files, randomness, atomic writes
+    ("config", "configfile", "rng", "fileio", "progress"),  # foundation: shapes, run files, randomness, atomic
+    # writes, progress lines
     ("chat",),  # the K2 wire format
     ("model",),
     ("optim",),

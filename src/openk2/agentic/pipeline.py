@@ -35,8 +35,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from openk2.agentic.agents import Agent, Task, make_agent, make_tasks, sample_toolsets
 from openk2.agentic.coding import CODE_TOOLS, CodeRunner, CodingProblem, coding_tasks
 from openk2.agentic.domains import Domain, evolve_domains, synthesize_tools
@@ -52,6 +50,7 @@ from openk2.agentic.tools import Tool, dedup_tools, read_tools, tool_stats, writ
 from openk2.agentic.users import UserSimulator, pick_persona
 from openk2.llm.base import ChatModel
 from openk2.llm.transport import EndpointUnreachable, describe, is_transport_error
+from openk2.progress import progress_bar
 
 ROLES = ("generator", "agent", "user", "tool_simulator", "judge")
 
@@ -82,7 +81,7 @@ class ThrottledChatModel(ChatModel):
 async def run_concurrently(items: Sequence[Any], work: Callable[[Any], Awaitable[None]], desc: str) -> None:
     """`work(item)` for every item at once (the model semaphore does the limiting), with a progress bar; the
     first failure cancels the rest (a transport failure becomes `EndpointUnreachable` naming the stage)."""
-    bar = tqdm(total=len(items), desc=desc, unit="item", leave=False)
+    bar = progress_bar(len(items), desc, "item", leave=False)
 
     async def one(item: Any) -> None:
         await work(item)

@@ -22,14 +22,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from openk2.eval import registry
 from openk2.eval.base import Aggregate, Benchmark, EvalContext, Sample, Verdict
 from openk2.eval.records import claim_directory, drop_partial_line, read_records
 from openk2.eval.transport import TransportGuard, is_transport_error
 from openk2.fileio import atomic_write_text
 from openk2.llm.base import ChatModel
+from openk2.progress import progress_bar
 
 ORACLE = "oracle"
 _UNREACHABLE_LIMIT = 3  # transport failures, with nothing scored yet, before a benchmark stops trying
@@ -92,8 +91,7 @@ def _run_benchmark(bench: Benchmark, model: ChatModel | str, bench_dir: Path, se
     todo = [s for s in samples if s.id not in done]
     guard = TransportGuard(model) if _is_remote(model) else None
     evaluate = _evaluator(bench, guard or model, ctx)
-    bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=bench.name, unit="sample",
-               disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(len(samples), bench.name, "sample", initial=len(samples) - len(todo), enabled=progress)
     unreachable: list[BaseException] = []  # transport failures: those samples stay unrecorded
     resumed = len(done)
     finite = [r["score"] for r in done.values() if _finite(r["score"])]

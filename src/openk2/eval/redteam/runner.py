@@ -26,13 +26,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from openk2.eval.base import EvalContext
 from openk2.eval.records import claim_directory, drop_partial_line, read_records
 from openk2.eval.redteam.plugins import Goal, goals_for, plugin_names
 from openk2.eval.redteam.report import write_report
 from openk2.eval.redteam.strategies import AttackSettings, Roles, get_strategy, strategy_names
+from openk2.progress import progress_bar
 
 ATTEMPTS_FILE = "attempts.jsonl"
 
@@ -106,8 +105,7 @@ def run_redteam(roles: Roles, out_dir: str | Path, *, plugins: Sequence[str] | N
     drop_partial_line(path)
     done = {r["id"]: r for r in read_records(path) if r.get("verdict") is not None}
     todo = [s for s in specs if s.id not in done]
-    bar = tqdm(total=len(specs), initial=len(specs) - len(todo), desc="redteam", unit="attempt",
-               disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(len(specs), "redteam", "attempt", initial=len(specs) - len(todo), enabled=progress)
     with open(path, "a", encoding="utf-8") as sink:
         def record(rec: dict[str, Any]) -> None:
             sink.write(json.dumps(rec, ensure_ascii=False) + "\n")
