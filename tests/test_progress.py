@@ -35,6 +35,14 @@ def test_line_progress_prints_again_after_its_interval(monkeypatch):
     assert out.getvalue().splitlines() == ["rl: 0/3 steps (0 s)", "rl: 2/3 steps (31 s)"]
 
 
+def test_line_progress_does_not_repeat_its_last_line_on_close():
+    out = io.StringIO()
+    bar = LineProgress(2, "e", "item", every_s=0.0, file=out)  # a line on every update
+    bar.update(2)
+    bar.close()
+    assert out.getvalue().splitlines()[1:] == ["e: 2/2 items (0 s)"]
+
+
 def test_progress_bar_picks_lines_off_a_terminal_and_tqdm_on_one(monkeypatch):
     piped = io.StringIO()
     monkeypatch.setattr(progress.sys, "stderr", piped)

@@ -24,6 +24,7 @@ class LineProgress:
         self.postfix = ""
         self.start = self.last = time.perf_counter()
         self.closed = False
+        self._shown: tuple[int, str] | None = None  # what the last line said: close() does not repeat it
         self._print()
 
     def update(self, n: int = 1) -> None:
@@ -39,9 +40,11 @@ class LineProgress:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._print()
+            if self._shown != (self.n, self.postfix):
+                self._print()
 
     def _print(self) -> None:
+        self._shown = (self.n, self.postfix)
         extra = f"{self.postfix}, " if self.postfix else ""
         seconds = time.perf_counter() - self.start
         print(f"{self.desc}: {self.n}/{self.total} {self.unit}s ({extra}{seconds:.0f} s)", file=self.file, flush=True)

@@ -56,7 +56,7 @@ def test_t_interval_matches_the_textbook_formula():
 def test_progress_prints_flushed_lines_without_a_terminal(capsys):
     assert list(progress(range(3), "demo", every_s=0.0)) == [0, 1, 2]
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == "demo: 0/3" and err[-1].startswith("demo: 3/3")
+    assert err[0].startswith("demo: 0/3 ") and err[-1].startswith("demo: 3/3 ") and len(err) == 4  # start + 3 steps
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -17,8 +16,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from tqdm import tqdm
 
+from openk2.progress import progress_bar
 from openk2.train.config import RunConfig
 from openk2.train.metrics import read_metrics
 
@@ -276,18 +275,10 @@ def throughput_note(curves: dict[str, Curve]) -> str:
 
 
 def progress(iterable: Iterable[T], label: str, every_s: float = 30.0) -> Iterator[T]:
-    """tqdm on a terminal; otherwise (a log file, a pipe) a flushed line at the start, every `every_s` seconds
-    and at the end, so a long experiment is never silent."""
+    """`openk2.progress.progress_bar` over an iterable of steps: tqdm on a terminal, flushed lines otherwise."""
     items = list(iterable)
-    total = len(items)
-    if sys.stderr.isatty():
-        yield from tqdm(items, desc=label, unit="step")
-        return
-    start = last = time.perf_counter()
-    print(f"{label}: 0/{total}", file=sys.stderr, flush=True)
-    for i, item in enumerate(items):
+    bar = progress_bar(len(items), label, "step", every_s=every_s)
+    for item in items:
         yield item
-        now = time.perf_counter()
-        if now - last >= every_s or i + 1 == total:
-            last = now
-            print(f"{label}: {i + 1}/{total} ({now - start:.0f} s)", file=sys.stderr, flush=True)
+        bar.update()
+    bar.close()
