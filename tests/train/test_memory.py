@@ -24,7 +24,7 @@ from openk2.train.memory import (
 )
 from openk2.train.metrics import read_metrics
 from openk2.train.trainer import Trainer
-from tests.train.parallel.test_plan import _NewStorages
+from tests.train.live_storages import NewStorages
 
 CPU = torch.device("cpu")
 # A 3-layer MoE (1 dense, 2 MoE layers, q and kv low-rank) small enough to step in well under a second.
@@ -150,7 +150,7 @@ def _left_on_device(model, ids, cfg: MemorySection, monkeypatch) -> tuple[dict[i
     handle = apply_memory_options(model, cfg)
     try:
         weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), ids]}
-        with _NewStorages(weights) as created:
+        with NewStorages(weights) as created:
             out = model(ids, labels=ids)
         returned = {t.untyped_storage().data_ptr() for t in (out.logits, out.loss, out.tokens_per_expert)}
         left = {address: nbytes for address, (ref, nbytes) in created.storages.items()

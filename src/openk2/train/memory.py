@@ -302,10 +302,8 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return local.untyped_storage().data_ptr()
 
 
-def _state_storages(module: nn.Module | None) -> set[int]:
+def _state_storages(module: nn.Module) -> set[int]:
     """Storage addresses of a module's parameters and buffers (weights saved for backward stay on the device)."""
-    if module is None:
-        return set()
     return {_storage_ptr(t) for t in (*module.parameters(), *module.buffers())}
 
 
@@ -366,7 +364,7 @@ class ActivationOffloader:
         return packed.host.to(packed.device, non_blocking=True)
 
     @contextmanager
-    def hooks(self, module: nn.Module | None = None) -> Iterator[None]:
+    def hooks(self, module: nn.Module) -> Iterator[None]:
         """Offload what the forward saves inside this block (deduplicated within the block); `module`'s
         parameters and buffers stay where they are."""
         self._state = _state_storages(module)  # per forward: FSDP or `.to()` may have moved them since

@@ -9,9 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from openk2.cli.plan import plan_main
 from openk2.config import ModelConfig
@@ -23,6 +20,7 @@ from openk2.train.parallel.build import build_model_part, meta_model_part
 from openk2.train.parallel.config import ParallelConfig
 from openk2.train.parallel.mesh import ParallelMesh
 from openk2.train.parallel.plan import activation_model, plan, rope_table_bytes
+from tests.train.live_storages import NewStorages
 
 CONFIGS = sorted((Path(__file__).parents[3] / "configs").glob("*.toml"))
 NOT_RUN_PREFIXES = ("pipeline-", "rl-", "synth-")  # other commands' files (openk2 pipeline / rl / synth)
@@ -127,28 +125,6 @@ def test_bf16_cpu_plan_counts_the_short_attention_and_padded_expert_rows(recompu
     assert plan(cfg, device_type="cpu")["per_rank"][0]["activation_bytes"] == int(predicted)
 
 
-class _NewStorages(TorchDispatchMode):
-    """Records the storage of every tensor an op returns while active (weakly), except the storages in `skip`."""
-
-    def __init__(self, skip: set[int]) -> None:
-        super().__init__()
-        self.skip = skip
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}  # address -> (storage last allocated there, bytes)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for t in tree_leaves(result):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                address, seen = storage.data_ptr(), self.storages.get(storage.data_ptr())
-                if address and address not in self.skip and (seen is None or seen[0].expired()):
-                    self.storages[address] = (StorageWeakRef(storage), storage.nbytes())
-        return result
-
-    def alive_bytes(self) -> int:
-        return sum(nbytes for ref, nbytes in self.storages.values() if not ref.expired())
-
-
 def _held_after_forward(model, ids, options, autocast: bool = False) -> int:
     """Bytes of the tensors a forward allocated that are still alive when it returns (what backward reads), the
     median of 3 forwards with the memory options applied: what the plan predicts, and what CUDA's
@@ -161,7 +137,7 @@ def _held_after_forward(model, ids, options, autocast: bool = False) -> int:
         gc.collect()
         before = allocated_bytes(torch.device("cpu"))
         weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), ids]}
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), _NewStorages(weights) as storages:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), NewStorages(weights) as storages:
             out = model(ids, labels=ids)
         held.append(storages.alive_bytes())
         if before is not None:
