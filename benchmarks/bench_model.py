@@ -52,6 +52,7 @@ from common import DTYPES, hf_copy, machine_summary, quiet_transformers, time_ca
 from profile_step import profile_step  # noqa: E402
 
 import openk2.model.attention_core as attention_core  # noqa: E402
+import openk2.model.moe as moe  # noqa: E402
 from openk2 import K2ForCausalLM, ModelConfig  # noqa: E402
 from openk2.model.compile import allow_a_graph_per_block, compile_blocks, compile_seconds  # noqa: E402
 from openk2.train.flops import measure_matmul_peak, training_flops_per_token  # noqa: E402
@@ -114,40 +115,47 @@ def pick_hf_experts(hf, seq_len: int, vocab: int, rounds: int = 2) -> tuple[str,
     return min(best_time, key=best_time.get), report
 
 
-class ShortUnderCompile:
-    """The switch of `--ab-short-compiled`: while `on`, compiled blocks trace `short_attention` where eager takes it;
-    while off, compiled blocks keep the flash kernel (whatever the tree's rule says under compile).
+# --ab-compiled: option -> (module, predicate) that picks the option's path; returning False takes the path before it
+COMPILED_AB_OPTIONS = {"short_attention": (attention_core, "takes_short_path"),
+                       "aligned_expert_rows": (moe, "aligns_rows")}
 
-    `takes_short_path` is replaced for the whole process (eager steps unchanged); dynamo guards on the value of
-    `on` it read, so each value keeps its own graphs and switching between steps does not recompile (checked:
-    the compile seconds during the timed steps are printed)."""
 
-    on = False
+class OffUnderCompile:
+    """The switch of `--ab-compiled OPTION`: while `off`, compiled blocks take the path before OPTION (its predicate
+    answers False under compile); eager steps and the other compiled copies are unchanged.
+
+    The predicate is replaced for the whole process; dynamo guards on the value of `off` it read, so each value
+    keeps its own graphs and switching between steps does not recompile (checked: the compile seconds during the
+    timed steps are printed)."""
+
+    off = False
 
     @classmethod
-    def install(cls) -> None:
-        def takes_short_path(q_BHTK, k_BHSK, attn_mask) -> bool:
-            if torch.compiler.is_compiling() and not cls.on:
+    def install(cls, option: str) -> None:
+        module, name = COMPILED_AB_OPTIONS[option]
+        rule = getattr(module, name)
+
+        def predicate(*args) -> bool:
+            if torch.compiler.is_compiling() and cls.off:
                 return False
-            return attention_core.short_path_rule(q_BHTK.device.type, q_BHTK.dtype, q_BHTK.shape[2], k_BHSK.shape[2],
-                                                  attn_mask is not None)
+            return rule(*args)
 
-        attention_core.takes_short_path = takes_short_path
+        setattr(module, name, predicate)
 
     @classmethod
-    def step(cls, model: torch.nn.Module, ids: torch.Tensor, on: bool) -> float:
-        cls.on = on
+    def step(cls, model: torch.nn.Module, ids: torch.Tensor) -> float:
+        cls.off = True
         try:
             return train_step(model, ids)
         finally:
-            cls.on = False
+            cls.off = False
 
 
 def compiled_steps(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, warmups: dict[str, float],
-                   ab_short: bool = False):
-    """Step functions for block-compiled copies of both models (and with `ab_short` a third, ours with the short
-    attention traced); their first (compiling) step is run here and its wall time stored in `warmups` (with the
-    compile seconds torch reports, when it does)."""
+                   ab_option: str | None = None):
+    """Step functions for block-compiled copies of both models (and with `ab_option` a third, ours compiled with
+    that option off: `OffUnderCompile`); their first (compiling) step is run here and its wall time stored in
+    `warmups` (with the compile seconds torch reports, when it does)."""
     ours_c = copy.deepcopy(ours)
     compile_blocks(ours_c)
     hf_c = copy.deepcopy(hf)
@@ -155,14 +163,14 @@ def compiled_steps(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor
         layer.compile(dynamic=True)
     steps = {"ours_compiled": lambda x, m=ours_c: train_step(m, x),
              "hf_compiled": lambda x, m=hf_c: train_step(m, x, **hf_step_kwargs())}
-    if ab_short:
+    if ab_option:
         # Our blocks get one graph per layer position, and compile_blocks makes room for one model's blocks:
         # room for the second copy's graphs too, or its blocks would run eagerly.
         allow_a_graph_per_block(2 * len(ours.model.layers))
-        ShortUnderCompile.install()
-        ours_cs = copy.deepcopy(ours)
-        compile_blocks(ours_cs)
-        steps["ours_compiled_short"] = lambda x, m=ours_cs: ShortUnderCompile.step(m, x, on=True)
+        OffUnderCompile.install(ab_option)
+        ours_off = copy.deepcopy(ours)
+        compile_blocks(ours_off)
+        steps["ours_compiled_off"] = lambda x, m=ours_off: OffUnderCompile.step(m, x)
     for who, step in steps.items():
         before, start = compile_seconds(), time.perf_counter()
         step(ids)
@@ -175,8 +183,8 @@ def compiled_steps(ours: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor
 
 def print_compiled(name: str, times: dict[str, list[float]], cpu_times: dict[str, list[float]],
                    warmups: dict[str, float], tokens: int, flops_tok: float, ceiling: float,
-                   compiled_before: float | None) -> None:
-    """The compiled rows of one dtype: rates, ratios by wall and CPU time, the short-attention A/B if run, and the
+                   compiled_before: float | None, option: str | None = None) -> None:
+    """The compiled rows of one dtype: rates, ratios by wall and CPU time, the `--ab-compiled` A/B if run, and the
     compile seconds spent during the timed steps (recompiles)."""
     tps = {who: tokens / statistics.median(times[who]) for who in times}
     cpu = {who: statistics.median(t) for who, t in cpu_times.items()}
@@ -190,14 +198,14 @@ def print_compiled(name: str, times: dict[str, list[float]], cpu_times: dict[str
           f"HF compiled {tps['hf_compiled'] * flops_tok / ceiling:.1%}")
     print(f"[{name}] by CPU time: ours compiled / HF compiled {cpu['hf_compiled'] / cpu['ours_compiled']:.2f}x, "
           f"ours eager / HF eager {cpu['hf'] / cpu['ours']:.2f}x")
-    if "ours_compiled_short" in times:
-        short, flash = cpu_times["ours_compiled_short"], cpu_times["ours_compiled"]
-        per_round = statistics.median(f / s for f, s in zip(flash, short, strict=True))
-        print(f"[{name}] compiled with short attention: {tps['ours_compiled_short']:,.0f} tok/s (warm-up "
-              f"{warmups['ours_compiled_short']:.0f} s); CPU s/step {cpu['ours_compiled_short']:.3f} vs "
-              f"{cpu['ours_compiled']:.3f} without: without/with "
-              f"{cpu['ours_compiled'] / cpu['ours_compiled_short']:.2f}x (median per-round ratio {per_round:.2f}x); "
-              f"with / HF compiled (CPU time) {cpu['hf_compiled'] / cpu['ours_compiled_short']:.2f}x")
+    if "ours_compiled_off" in times:
+        off, on = cpu_times["ours_compiled_off"], cpu_times["ours_compiled"]
+        per_round = statistics.median(f / n for f, n in zip(off, on, strict=True))
+        print(f"[{name}] compiled without {option}: {tps['ours_compiled_off']:,.0f} tok/s (warm-up "
+              f"{warmups['ours_compiled_off']:.0f} s); CPU s/step {cpu['ours_compiled_off']:.3f} vs "
+              f"{cpu['ours_compiled']:.3f} with: without/with {cpu['ours_compiled_off'] / cpu['ours_compiled']:.2f}x "
+              f"(median per-round ratio {per_round:.2f}x); without / HF compiled (CPU time) "
+              f"{cpu['hf_compiled'] / cpu['ours_compiled_off']:.2f}x")
     after = compile_seconds()
     if after is not None and compiled_before is not None:
         print(f"[{name}] compile seconds during the timed steps: {after - compiled_before:.1f} (0: no recompile)")
@@ -224,9 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also time both models with each decoder block torch.compiled (regional compile: "
                         "ours via openk2.model.compile.compile_blocks, HF's layers the same way)")
-    parser.add_argument("--ab-short-compiled", action="store_true",
-                        help="with --compile, also time ours compiled with short_attention traced into the blocks, "
-                        "alternating with the other rows; ours_compiled then keeps the flash kernel")
+    parser.add_argument("--ab-compiled", choices=sorted(COMPILED_AB_OPTIONS), default=None, metavar="OPTION",
+                        help="with --compile, also time ours compiled with OPTION off (the path before it: "
+                        f"{', '.join(sorted(COMPILED_AB_OPTIONS))}), alternating with the other rows")
     args = parser.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     unknown = [d for d in dtypes if d not in DTYPES]
@@ -284,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
                  "hf": lambda ids, m=hf: train_step(m, ids, **hf_step_kwargs())}
         warmups = {}
         if args.compile:
-            steps.update(compiled_steps(ours, hf, batches[0], warmups, ab_short=args.ab_short_compiled))
+            steps.update(compiled_steps(ours, hf, batches[0], warmups, ab_option=args.ab_compiled))
         compiled_before = compile_seconds()
         times: dict[str, list[float]] = {who: [] for who in steps}
         cpu_times: dict[str, list[float]] = {who: [] for who in steps}  # process CPU seconds per step
@@ -316,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
                    ours_flops=ours_tps * flops_tok, hf_flops=hf_tps * flops_tok, ceiling=ceiling)
         rows.append(row)
         if args.compile:
-            print_compiled(name, times, cpu_times, warmups, tokens, flops_tok, ceiling, compiled_before)
+            print_compiled(name, times, cpu_times, warmups, tokens, flops_tok, ceiling, compiled_before,
+                           args.ab_compiled)
         spread = {w: f"{min(t):.2f}-{max(t):.2f} s" for w, t in times.items()}
         note = f" (stopped early: --max-seconds {args.max_seconds:g})" if stopped_early else ""
         print(f"\n[{name}] {len(times['ours'])} timed steps each{note}; "

@@ -3,6 +3,7 @@ the same outputs and gradients as the unpadded grouped matmul."""
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import openk2.model.moe as moe_module
 from openk2.model.moe import MoE, aligned_rows
@@ -18,6 +19,20 @@ def test_aligned_rows_layout():
     assert ends_E.tolist() == [4, 4, 8, 16] and ends_E.dtype == torch.int32
     assert rows_P.tolist() == [5, 1, 7, 9, 0, 9, 9, 9, 2, 3, 4, 6, 8, 9, 9, 9]
     assert torch.equal(rows_P[dest_M], token_of_row)
+
+
+def test_static_aligned_rows_layout_depends_on_no_routing():
+    # Compiled blocks: P is the bound M + E*(align-1) rounded down to align (9 + 4*3 = 21 -> 20) for every
+    # routing; the last group takes the slack as padding, so the real rows sit where the exact layout puts them.
+    token_of_row = torch.tensor([5, 1, 7, 0, 2, 3, 4, 6, 8])
+    for experts in ([0, 0, 0, 2, 3, 3, 3, 3, 3], [0, 1, 1, 1, 1, 1, 2, 2, 3], [3] * 9):
+        experts_M = torch.tensor(experts)
+        counts_E = torch.bincount(experts_M, minlength=4)
+        rows_P, dest_M, ends_E = aligned_rows(experts_M, token_of_row, counts_E, pad_token=9, align=4, static=True)
+        exact_rows, exact_dest, exact_ends = aligned_rows(experts_M, token_of_row, counts_E, pad_token=9, align=4)
+        assert rows_P.shape == (20,) and ends_E[-1] == 20 and ends_E.dtype == torch.int32
+        assert torch.equal(ends_E[:-1], exact_ends[:-1]) and torch.equal(dest_M, exact_dest)
+        assert torch.equal(rows_P[: exact_rows.numel()], exact_rows) and (rows_P[exact_rows.numel():] == 9).all()
 
 
 def _moe(seed: int = 0) -> MoE:
@@ -63,3 +78,31 @@ def test_bf16_on_cpu_takes_the_aligned_path(monkeypatch):
         moe(torch.randn(1, 2, 64).bfloat16())  # 4 rows: the idle-expert path
         moe.float()(torch.randn(2, 32, 64))  # fp32: MKL, no per-shape kernels, unpadded
         assert calls == [1]
+
+
+def test_compiled_experts_pad_rows_with_one_graph_for_every_routing(monkeypatch):
+    # fullgraph: no data-dependent shape and no host read in the compiled aligned path; one frame for three
+    # routings: nothing recompiles as the per-expert counts change. Values and gradients as eager's aligned path.
+    moe = _moe().to(torch.bfloat16)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(moe.experts, backend=counter, fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
+    for seed in range(3):
+        x = torch.randn(45, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        results = []
+        for experts in (moe.experts, compiled):
+            moe.zero_grad()
+            xg = x.clone().requires_grad_(True)
+            routing = moe.gate(xg)
+            y, counts = experts(xg, routing)
+            (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            results.append([y.detach(), counts] + [p.grad.clone() for p in moe.experts.parameters()] + [xg.grad])
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    assert counter.frame_count == 1
+    graph = counter.graphs[0]
+    assert "index_copy" in graph.code  # the padded layout (aligned_rows), not the plain dispatch
+    # Every traced tensor has a static shape: no size read back from the data (an unbacked SymInt).
+    values = [node.meta.get("example_value") for node in graph.graph.nodes]
+    shapes = [v.shape for v in values if isinstance(v, torch.Tensor)]
+    assert shapes and all(isinstance(d, int) for shape in shapes for d in shape)

@@ -94,28 +94,37 @@ def grouped_linear(x_MI: torch.Tensor, w_EOI: torch.Tensor, offsets: torch.Tenso
 
 def aligns_rows(x_ND: torch.Tensor, dtype: torch.dtype, rows: int, experts: int) -> bool:
     """Whether the experts pad their `rows` (token, expert) rows to CPU_ALIGN_ROWS (`pads_expert_rows`)."""
-    return pads_expert_rows(x_ND.device.type, dtype, rows, experts, torch.compiler.is_compiling())
+    return pads_expert_rows(x_ND.device.type, dtype, rows, experts)
 
 
-def pads_expert_rows(device_type: str, dtype: torch.dtype, rows: int, experts: int, compiling: bool) -> bool:
-    """`aligns_rows` on shapes (the memory plan asks it too): bf16 on CPU in eager mode (oneDNN's per-shape
-    kernels; fp32 measured 0.92x aligned; under compile the row count must not depend on the data), with at
-    least IDLE_SKIP_ROWS rows per expert (fewer run only the active experts)."""
-    return device_type == "cpu" and dtype == torch.bfloat16 and not compiling and rows >= experts * IDLE_SKIP_ROWS
+def pads_expert_rows(device_type: str, dtype: torch.dtype, rows: int, experts: int) -> bool:
+    """`aligns_rows` on shapes (the memory plan asks it too): bf16 on CPU, eager or compiled (oneDNN's per-shape
+    kernels; fp32 measured 0.92x aligned), with at least IDLE_SKIP_ROWS rows per expert (fewer run only the
+    active experts)."""
+    return device_type == "cpu" and dtype == torch.bfloat16 and rows >= experts * IDLE_SKIP_ROWS
 
 
 def aligned_rows(experts_M: torch.Tensor, token_of_row: torch.Tensor, counts_E: torch.Tensor, pad_token: int,
-                 align: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 align: int | None = None, static: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The expert-sorted rows (experts_M [M] non-decreasing, token_of_row [M]) laid out with each expert's group
     padded to a multiple of `align` (CPU_ALIGN_ROWS): the token of each padded row [P] (`pad_token` for
-    padding), each sorted row's padded position [M], and the padded groups' row ends [E] (int32)."""
+    padding), each sorted row's padded position [M], and the padded groups' row ends [E] (int32).
+
+    `static` (compiled blocks): P is the bound M + E*(align-1) rounded down to a multiple of align, whatever the
+    routing, and the last group takes the slack as padding rows, so no shape depends on the data (no host read,
+    no recompile); eager reads the exact total and pads no more than each group needs."""
     align = CPU_ALIGN_ROWS if align is None else align
     padding_E = (-counts_E) % align
     ends_E = (counts_E + padding_E).cumsum(0)
     # A row moves down by the padding of the groups before its own: the exclusive cumsum of padding_E.
     shift_E = padding_E.cumsum(0) - padding_E
     dest_M = torch.arange(experts_M.shape[0], device=experts_M.device) + shift_E[experts_M]
-    total = int(ends_E[-1]) if ends_E.numel() else 0  # a host read: this layout is CPU-only
+    if static:
+        # Every group's padded end is a multiple of align and at most the bound, so the last one fits under P.
+        total = (experts_M.shape[0] + counts_E.shape[0] * (align - 1)) // align * align
+        ends_E = torch.cat((ends_E[:-1], ends_E.new_full((1,), total)))
+    else:
+        total = int(ends_E[-1]) if ends_E.numel() else 0  # a host read: this layout is CPU-only
     rows_P = torch.full((total,), pad_token, dtype=token_of_row.dtype, device=token_of_row.device)
     return rows_P.index_copy_(0, dest_M, token_of_row), dest_M, ends_E.to(torch.int32)
 
@@ -181,7 +190,8 @@ class RoutedExperts(nn.Module):
         """`forward`'s combined output with each expert's rows padded to CPU_ALIGN_ROWS: padding rows read an
         appended zero row and are summed into a dropped one, so every real row's products are unchanged."""
         n, d = x_ND.shape
-        rows_P, dest_M, offsets = aligned_rows(routing.indices_NK.reshape(-1)[order], token_of_row, counts_E, n)
+        rows_P, dest_M, offsets = aligned_rows(routing.indices_NK.reshape(-1)[order], token_of_row, counts_E, n,
+                                               static=torch.compiler.is_compiling())
         x_PD = torch.cat((x_ND, x_ND.new_zeros(1, d))).index_select(0, rows_P)
         y_PD = self.swiglu(x_PD, offsets)
         # A padding row's output is exactly zero (zero input) and so is its weight: it adds 0 to the dropped row n.

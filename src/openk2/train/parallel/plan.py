@@ -182,18 +182,18 @@ def _plan_fsdp2(cfg: RunConfig, parallel: ParallelConfig, part, expert_names: fr
 def activation_model(cfg: RunConfig, parallel: ParallelConfig, part, device_type: str,
                      fp32_weights: bool = True) -> ActivationModel:
     """The per-token activation counts of one micro-batch, with the attention core and the expert-row padding the
-    model's own rules (`short_path_rule`, `pads_expert_rows`) pick for this run's dtype, device and compile."""
+    model's own rules (`short_path_rule`, `pads_expert_rows`) pick for this run's dtype and device (compiled
+    blocks take the same paths)."""
     model = cfg.model
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device_type == "cuda")
     dtype = torch.bfloat16 if bf16 else torch.float32
-    compiling = cfg.train.compile and not parallel.enabled  # only the single-device trainer compiles its blocks
     seq, tokens = cfg.data.seq_len, cfg.train.batch_size * cfg.data.seq_len
     # Training attends as many queries as keys (causal or packed-document masks alike).
     short = short_path_rule(device_type, dtype, seq, seq, False)
     experts = [m for m in part.modules() if isinstance(m, RoutedExperts)]
     local = experts[0].gate_proj.shape[0] if experts else 0
     aligned = (bool(experts) and all(type(m).forward is RoutedExperts.forward and m.use_grouped_mm for m in experts)
-               and pads_expert_rows(device_type, dtype, tokens * model.num_experts_per_tok, local, compiling))
+               and pads_expert_rows(device_type, dtype, tokens * model.num_experts_per_tok, local))
     return ActivationModel(model, cfg.memory, act_bytes=2 if bf16 else 4, flash_attention=not short, seq_len=seq,
                            ep=parallel.ep, short_attention=short, autocast=bf16 and fp32_weights,
                            expert_pad_rows=local * (CPU_ALIGN_ROWS - 1) / tokens if aligned else 0.0)
