@@ -48,11 +48,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step_ab import OPTIONS as STEP_AB_OPTIONS  # noqa: E402
 from common import DTYPES, hf_copy, machine_summary, quiet_transformers, time_call  # noqa: E402
 from profile_step import profile_step  # noqa: E402
 
-import openk2.model.attention_core as attention_core  # noqa: E402
-import openk2.model.moe as moe  # noqa: E402
 from openk2 import K2ForCausalLM, ModelConfig  # noqa: E402
 from openk2.model.compile import allow_a_graph_per_block, compile_blocks, compile_seconds  # noqa: E402
 from openk2.train.flops import measure_matmul_peak, training_flops_per_token  # noqa: E402
@@ -115,9 +114,8 @@ def pick_hf_experts(hf, seq_len: int, vocab: int, rounds: int = 2) -> tuple[str,
     return min(best_time, key=best_time.get), report
 
 
-# --ab-compiled: option -> (module, predicate) that picks the option's path; returning False takes the path before it
-COMPILED_AB_OPTIONS = {"short_attention": (attention_core, "takes_short_path"),
-                       "aligned_expert_rows": (moe, "aligns_rows")}
+# --ab-compiled: bench_step_ab's options, each (module, predicate name, ...): False takes the path before it
+COMPILED_AB_OPTIONS = STEP_AB_OPTIONS
 
 
 class OffUnderCompile:
@@ -132,7 +130,7 @@ class OffUnderCompile:
 
     @classmethod
     def install(cls, option: str) -> None:
-        module, name = COMPILED_AB_OPTIONS[option]
+        module, name = COMPILED_AB_OPTIONS[option][:2]
         rule = getattr(module, name)
 
         def predicate(*args) -> bool:

@@ -80,7 +80,7 @@ def test_bf16_on_cpu_takes_the_aligned_path(monkeypatch):
         assert calls == [1]
 
 
-def test_compiled_experts_pad_rows_with_one_graph_for_every_routing(monkeypatch):
+def test_compiled_experts_pad_rows_with_one_graph_for_every_routing():
     # fullgraph: no data-dependent shape and no host read in the compiled aligned path; one frame for three
     # routings: nothing recompiles as the per-expert counts change. Values and gradients as eager's aligned path.
     moe = _moe().to(torch.bfloat16)

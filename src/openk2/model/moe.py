@@ -112,7 +112,8 @@ def aligned_rows(experts_M: torch.Tensor, token_of_row: torch.Tensor, counts_E: 
 
     `static` (compiled blocks): P is the bound M + E*(align-1) rounded down to a multiple of align, whatever the
     routing, and the last group takes the slack as padding rows, so no shape depends on the data (no host read,
-    no recompile); eager reads the exact total and pads no more than each group needs."""
+    no recompile). The slack (~E*(align-1)/2 zero rows on average) is extra work for the last expert, measured a
+    net win under compile (docs/benchmarks.md); eager reads the exact total and pads no more than each group needs."""
     align = CPU_ALIGN_ROWS if align is None else align
     padding_E = (-counts_E) % align
     ends_E = (counts_E + padding_E).cumsum(0)
